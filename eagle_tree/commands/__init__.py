@@ -1,0 +1,1 @@
+"""One module per ``eagle-tree`` command, each with ``main(argv) -> int``."""
