@@ -135,6 +135,23 @@ class Drafter:
         self.last_hidden, self.last_logits = out[:, -1:], logits[0, -1].float()
 
     @torch.no_grad()
+    def follow(self, tokens: list[int]) -> list[torch.Tensor]:
+        """Draft logits (Vd,) at depths 1..len(tokens)+1 along a given chain of target ids below the
+        root; the cache is left as it was. Training's step s equals depth s + 1 here."""
+        committed, hidden = self.cache.length, self.last_hidden
+        logits = [self.last_logits]
+        try:
+            for depth, token in enumerate(tokens, start=1):
+                ids = torch.tensor([[token]], device=hidden.device)
+                pos = torch.tensor([[committed - 1 + depth]], device=hidden.device)
+                visible = torch.ones(1, self.cache.length + 1, dtype=torch.bool, device=hidden.device)
+                hidden, step_logits = self._forward(hidden, ids, pos, visible)
+                logits.append(step_logits[0, -1].float())
+        finally:
+            self.cache.crop(committed)
+        return logits
+
+    @torch.no_grad()
     def propose(self, sampling: SamplingConfig, generator: torch.Generator | None = None) -> Proposal:
         """Grow a tree below the root (the last committed token) and return it in target ids."""
         if self.last_hidden is None:

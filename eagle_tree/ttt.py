@@ -1,0 +1,135 @@
+"""Training-time test: the head unrolled over its own outputs, as it runs when drafting.
+
+For a sequence ``x_0..x_{T-1}`` with target features ``f_j`` and target logits ``z_j``:
+
+- step 0 at position ``j`` reads ``(fc(f_j), x_{j+1})`` at position id ``j`` and predicts ``x_{j+2}``;
+- step ``s`` at ``j`` reads ``(h^{s-1}_j, x_{j+1+s})`` at position id ``j + s``, where ``h^{s-1}_j``
+  is the head's own output feature of step ``s - 1``, and predicts ``x_{j+2+s}``;
+- attention at step ``s`` sees the step-0 entries at positions ``<= j`` (the real-feature prefix)
+  and the entries of steps ``1..s`` at ``j`` (the diagonal): exactly what a draft node at depth
+  ``s`` sees in decoding (the committed pairs, its ancestors, itself), with the same position ids.
+
+Loss of step ``s`` = forward KL from the target distribution ``softmax(z_{j+1+s})`` restricted to
+the draft vocabulary (renormalised) to the head's distribution, on positions whose predicted token
+is a loss token; weight ``decay ** s``. Rule for positions whose target top token lies outside the
+draft vocabulary: they are left out of the loss and of the accuracy (the head cannot propose it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .draft_model import Eagle3DraftModel
+
+
+@dataclass
+class TTTOutput:
+    loss: torch.Tensor  # weighted sum over steps, differentiable
+    step_losses: list[float]  # per-step mean KL over valid positions
+    step_accuracy: list[float]  # per-step top-1 agreement with the target (draft vocab)
+    step_counts: list[int]  # valid positions per step
+    logits: list[torch.Tensor]  # per step (B, T, Vd), for tests
+
+
+def _diag_attention(attn, q, k0, v0, diag_k, diag_v, valid_keys):
+    """Step-s attention. q (B, nh, T, hd); k0/v0 (B, nkv, T, hd) step-0 entries (causal prefix);
+    diag_k/diag_v: lists of (B, nkv, T, hd), the entries of steps 1..s at the same position.
+    valid_keys (B, T) bool. Returns (B, T, H) after o_proj."""
+    groups = attn.num_heads // attn.num_kv_heads
+
+    def rep(t):
+        return t.repeat_interleave(groups, dim=1) if groups > 1 else t
+
+    scale = 1.0 / math.sqrt(attn.head_dim)
+    t = q.shape[2]
+    scores = torch.matmul(q, rep(k0).transpose(-1, -2)) * scale  # (B, nh, T, T)
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    visible = causal[None, None] & valid_keys[:, None, None, :]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    diag = [(q * rep(k)).sum(-1, keepdim=True) * scale for k in diag_k]  # each (B, nh, T, 1)
+    probs = torch.softmax(torch.cat([scores, *diag], dim=-1), dim=-1)
+    out = torch.matmul(probs[..., :t], rep(v0))
+    for i, v in enumerate(diag_v):
+        out = out + probs[..., t + i : t + i + 1] * rep(v)
+    b = out.shape[0]
+    return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+def target_distribution(draft: Eagle3DraftModel, target_logits: torch.Tensor):
+    """Target logits (B, T, V) -> (p over the draft vocab (B, T, Vd), top token in draft vocab (B, T))."""
+    z = target_logits.float()
+    in_draft = draft.t2d[z.argmax(-1)]
+    p = torch.softmax(z[..., draft.draft_to_target], dim=-1)
+    return p, in_draft
+
+
+def ttt_forward(
+    draft: Eagle3DraftModel,
+    features: torch.Tensor,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    target_logits: torch.Tensor,
+    steps: int = 7,
+    decay: float = 0.8,
+    lengths: torch.Tensor | None = None,
+) -> TTTOutput:
+    """features (B, T, 3H), input_ids (B, T), loss_mask (B, T) 0/1 on the tokens to predict,
+    target_logits (B, T, V); lengths (B,) real lengths of right-padded rows (None: all T)."""
+    b, t = input_ids.shape
+    device = input_ids.device
+    ar = torch.arange(t, device=device)
+    lengths = torch.full((b,), t, device=device) if lengths is None else lengths.to(device)
+    valid_keys = ar[None] < lengths[:, None]  # (B, T)
+    p_all, in_draft = target_distribution(draft, target_logits)
+    attn = draft.midlayer.self_attn
+    hidden = draft.fuse(features)
+    k0 = v0 = None
+    diag_k: list[torch.Tensor] = []
+    diag_v: list[torch.Tensor] = []
+    total = hidden.new_zeros(())
+    out = TTTOutput(total, [], [], [], [])
+    for s in range(steps):
+        # inputs: token x_{j+1+s}; position id j + s; target z_{j+1+s}; predicted token x_{j+2+s}
+        src = (ar + 1 + s).clamp(max=t - 1)
+        tokens = input_ids.gather(1, src[None].expand(b, t))
+        positions = (ar + s)[None].expand(b, t)
+        q, k, v = draft.project(hidden, tokens, positions)
+        if s == 0:
+            k0, v0 = k, v
+        else:
+            diag_k.append(k)
+            diag_v.append(v)
+        attn_out = _diag_attention(attn, q, k0, v0, diag_k, diag_v, valid_keys)
+        hidden = draft.midlayer.finish(hidden, attn_out)
+        logits = draft.logits(hidden)  # (B, T, Vd)
+        out.logits.append(logits)
+
+        tgt = (ar + 2 + s).clamp(max=t - 1)
+        ok = (ar + 2 + s < lengths[:, None]) & loss_mask.gather(1, tgt[None].expand(b, t)).bool()
+        p = p_all.gather(1, (ar + 1 + s).clamp(max=t - 1)[None, :, None].expand(b, t, p_all.shape[-1]))
+        ok = ok & in_draft.gather(1, (ar + 1 + s).clamp(max=t - 1)[None].expand(b, t))
+        n = int(ok.sum())
+        logq = F.log_softmax(logits.float(), dim=-1)
+        kl = (p * (p.clamp_min(1e-30).log() - logq)).sum(-1)  # (B, T)
+        step_loss = (kl * ok).sum() / max(n, 1)
+        total = total + (decay**s) * step_loss
+        agree = (logits.argmax(-1) == p.argmax(-1)) & ok
+        out.step_losses.append(float(step_loss.detach()))
+        out.step_accuracy.append(float(agree.sum()) / max(n, 1))
+        out.step_counts.append(n)
+    out.loss = total
+    return out
+
+
+def simulated_acceptance_length(step_accuracy: list[float]) -> float:
+    """Expected committed tokens per round of a greedy chain whose step-s acceptance given the
+    earlier ones is ``acc_s``: 1 + acc_0 + acc_0 acc_1 + ... (the bonus/correction token counts)."""
+    total, survive = 1.0, 1.0
+    for a in step_accuracy:
+        survive *= a
+        total += survive
+    return total
