@@ -1,0 +1,157 @@
+"""``eagle-tree decode``: decode a prompt file with a draft head (tree, chain) or plainly.
+
+Prints each continuation and the acceptance summary; logs the per-round acceptance lengths, their
+histogram and the summary to W&B (offline when no API key is set; ``wandb.mode=disabled`` to skip).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from ..config import config_to_dict, parse_cli, save_config
+from ..drafting import TreeConfig
+from ..sampling import SamplingConfig
+from ..tracking import WandbConfig
+
+
+@dataclass
+class DecodeConfig:
+    """Decode prompts with speculative decoding and report acceptance."""
+
+    target: str = "assets/reference/target"
+    """Target model: a local folder or a hub id (AutoModelForCausalLM + AutoTokenizer)."""
+    head: str | None = "assets/reference/head"
+    """EAGLE-3 draft head folder; null for plain decoding."""
+    mode: Literal["tree", "chain", "plain"] = "tree"
+    """tree: dynamic tree (the `tree` section); chain: `chain_length` tokens; plain: no draft."""
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    """Dynamic-tree shape: depth, top_k, total_tokens, sampled (Gumbel-top-k children)."""
+    chain_length: int = 5
+    """Draft tokens per round in chain mode."""
+    prompts: str = "assets/reference/prompts/test.jsonl"
+    """Prompt file: .jsonl with a `prompt` field per line, or .txt with one prompt per line."""
+    prompt: str | None = None
+    """A single prompt text; overrides `prompts` when set."""
+    limit: int | None = None
+    """Decode only the first N prompts."""
+    max_new_tokens: int = 64
+    """Output budget per prompt."""
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))
+    """temperature (0 = greedy), top_k (0 = off), top_p (1.0 = off)."""
+    seed: int = 0
+    """Seed of prompt i is seed + i."""
+    stop_at_eos: bool = True
+    """Stop a continuation at the tokenizer's EOS token."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Precision of target and head."""
+    output: str | None = None
+    """Write per-prompt continuations and the summary to this JSON file."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases logging."""
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """Prompts from a .jsonl file (field `prompt`) or a text file (one per line)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {str(path)!r} does not exist")
+    if path.suffix == ".jsonl":
+        prompts = []
+        for i, line in enumerate(path.read_text().splitlines()):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if "prompt" not in row:
+                raise ValueError(f"{path}:{i + 1}: expected a 'prompt' field, found {sorted(row)}")
+            prompts.append(row["prompt"])
+        return prompts
+    return [line for line in path.read_text().splitlines() if line.strip()]
+
+
+def load_models(cfg: DecodeConfig):
+    """(SpeculativeDecoder, tokenizer) for the config."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from ..decoder import SpeculativeDecoder
+    from ..draft_model import Eagle3DraftModel
+    from ..target import TargetModel
+
+    dtype = getattr(torch, cfg.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.target)
+    head = None
+    if cfg.mode != "plain":
+        if cfg.head is None:
+            raise ValueError(f"mode={cfg.mode} needs a draft head: set head=PATH (or mode=plain)")
+        head_path = Path(cfg.head)
+        head_cfg = json.loads((head_path / "config.json").read_text()) if head_path.is_dir() else {}
+        layers = head_cfg.get("feature_layers")
+        target = TargetModel.from_pretrained(cfg.target, dtype=dtype, feature_layers=layers)
+        head = Eagle3DraftModel.from_pretrained(cfg.head, target=target, dtype=dtype)
+    else:
+        target = TargetModel.from_pretrained(cfg.target, dtype=dtype)
+    tree = TreeConfig.chain(cfg.chain_length, sampled=cfg.tree.sampled) if cfg.mode == "chain" else cfg.tree
+    return SpeculativeDecoder(target, head, tree=tree), tokenizer
+
+
+def main(argv: list[str]) -> int:
+    cfg = parse_cli(DecodeConfig, argv, prog="eagle-tree decode")
+    import torch
+
+    from ..metrics import summarize
+    from ..tracking import RunLogger
+
+    decoder, tokenizer = load_models(cfg)
+    prompts = [cfg.prompt] if cfg.prompt is not None else read_prompts(cfg.prompts)
+    prompts = prompts[: cfg.limit] if cfg.limit else prompts
+    eos = tokenizer.eos_token_id if cfg.stop_at_eos else None
+    depth = 0 if cfg.mode == "plain" else decoder.tree.depth
+    outputs, records = [], []
+    with RunLogger(cfg.wandb, run_config=config_to_dict(cfg), job_type="decode") as logger:
+        step = 0
+        for i, text in enumerate(prompts):
+            ids = torch.tensor([tokenizer.encode(text)])
+            out = decoder.generate(ids, cfg.max_new_tokens, sampling=cfg.sampling, seed=cfg.seed + i, eos_token_id=eos)
+            outputs.append(out)
+            continuation = tokenizer.decode(out.sequences[0, out.prompt_length :])
+            print(f"--- prompt {i}: {out.new_tokens} tokens, {out.mean_acceptance_length:.2f} per round")
+            print(continuation)
+            records.append({"prompt": text, "continuation": continuation, "acceptance_lengths": out.acceptance_lengths})
+            for length in out.acceptance_lengths:
+                logger.log({"decode/acceptance_length": length}, step=step)
+                step += 1
+        summary = summarize(cfg.mode, cfg.sampling.temperature, outputs, depth=depth)
+        lengths = [n for o in outputs for n in o.acceptance_lengths]
+        if lengths:
+            logger.log_histogram("decode/acceptance_length_hist", lengths, step=step)
+        if depth:
+            logger.log_line("decode/survival", list(range(1, depth + 1)), summary.survival,
+                            title="Pr(accepted >= i)", x_name="i", y_name="survival", step=step)
+        logger.summary({f"decode/{k}": v for k, v in summary.to_dict().items() if isinstance(v, int | float)})
+    print("\n" + format_summary(summary))
+    if cfg.output:
+        Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.output).write_text(json.dumps({"summary": summary.to_dict(), "prompts": records}, indent=2))
+        save_config(cfg, Path(cfg.output).with_suffix(".config.yaml"))
+    return 0
+
+
+def format_summary(s) -> str:
+    lines = [
+        f"method {s.method}, temperature {s.temperature}: {s.prompts} prompts, {s.tokens} tokens, {s.rounds} rounds",
+        f"  acceptance length (tokens per round): {s.acceptance_length:.3f}",
+        f"  time per output token: {1000 * s.time_per_output_token_s:.2f} ms",
+        f"  per round: draft {1000 * s.draft_s_per_round:.2f} ms, verify {1000 * s.verify_s_per_round:.2f} ms, "
+        f"other {1000 * s.other_s_per_round:.2f} ms",
+    ]
+    if s.survival:
+        lines.append("  survival Pr(A >= i): " + " ".join(f"{v:.2f}" for v in s.survival))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

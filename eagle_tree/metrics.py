@@ -1,0 +1,78 @@
+"""Acceptance and timing figures over many generations (MEASURING.md).
+
+Acceptance length (tau) = committed tokens / speculative rounds, counting the correction or bonus
+token. Time per output token = cumulative wall time / cumulative committed tokens, never a mean of
+per-round ratios. The survival curve is Pr(A >= i), A = draft tokens accepted in a round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+def survival_curve(accepted_per_round: Sequence[int], depth: int) -> list[float]:
+    """Pr(A >= i) for i = 1..depth over rounds, A = accepted draft tokens in the round."""
+    n = len(accepted_per_round)
+    if n == 0:
+        return [0.0] * depth
+    return [sum(a >= i for a in accepted_per_round) / n for i in range(1, depth + 1)]
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    return float(torch.quantile(torch.tensor(values, dtype=torch.float64), q))
+
+
+@dataclass
+class DecodeSummary:
+    method: str
+    temperature: float
+    acceptance_length: float  # committed tokens per round (1.0 for plain decoding)
+    time_per_output_token_s: float
+    tokens: int
+    rounds: int
+    prompts: int
+    time_to_first_token_s: float  # mean over prompts
+    latency_s: float  # mean end-to-end latency per prompt
+    gap_p50_s: float  # gaps between streamed tokens
+    gap_p95_s: float
+    draft_s_per_round: float
+    verify_s_per_round: float
+    other_s_per_round: float
+    survival: list[float]
+    eos_stops: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def summarize(method: str, temperature: float, outputs: Sequence, depth: int = 0) -> DecodeSummary:
+    """Aggregate GenerateOutput objects of one method (same prompts, budget and sampling)."""
+    rounds = [r for o in outputs for r in o.rounds]
+    tokens = sum(o.new_tokens for o in outputs)
+    total = sum(o.total_s for o in outputs)
+    gaps = [b - a for o in outputs for a, b in zip(o.token_times, o.token_times[1:], strict=False)]
+    n_rounds = max(len(rounds), 1)
+    committed_in_rounds = sum(r.committed for r in rounds)
+    return DecodeSummary(
+        method=method,
+        temperature=temperature,
+        acceptance_length=committed_in_rounds / n_rounds if rounds else 0.0,
+        time_per_output_token_s=total / max(tokens, 1),
+        tokens=tokens,
+        rounds=len(rounds),
+        prompts=len(outputs),
+        time_to_first_token_s=sum(o.prefill_s for o in outputs) / max(len(outputs), 1),
+        latency_s=total / max(len(outputs), 1),
+        gap_p50_s=_quantile(gaps, 0.5),
+        gap_p95_s=_quantile(gaps, 0.95),
+        draft_s_per_round=sum(r.draft_s for r in rounds) / n_rounds,
+        verify_s_per_round=sum(r.verify_s for r in rounds) / n_rounds,
+        other_s_per_round=sum(r.other_s for r in rounds) / n_rounds,
+        survival=survival_curve([r.accepted for r in rounds], depth),
+        eos_stops=sum(o.stopped_by == "eos" for o in outputs),
+    )

@@ -1,0 +1,293 @@
+"""The target model: a frozen Hugging Face causal LM with feature capture, tree-masked verification
+and KV-cache compaction.
+
+Everything goes through the model's public inputs (``input_ids``, ``position_ids``, a 4D float
+``attention_mask`` and a ``cache`` object) plus forward pre-hooks on the decoder layers; no modeling
+code is forked per architecture. Batch size is 1 throughout.
+
+Cache contract (the caller owns the cache; this class never stores one):
+
+* ``new_cache()`` gives an empty ``transformers.DynamicCache`` whose layers are all plain
+  ``DynamicLayer`` (one key/value tensor per layer, shape (1, n_kv_heads, S, head_dim), entry ``s``
+  holding position ``s``). Sliding-window models get full layers too; the window is applied in the
+  masks built here.
+* ``prefill`` / ``forward`` / ``verify`` append to it; ``compact_cache`` gathers the accepted
+  entries into contiguous positions and crops the rest.
+
+Features: the hidden states entering the three feature layers, caught by forward pre-hooks that are
+registered for the duration of one forward and removed in a ``finally`` block, so nothing stays
+attached to the model between calls and only those three tensors are kept.
+
+Supported models (checked at construction, see ``_check_supported``): the forward takes
+``attention_mask``, ``position_ids`` and ``cache`` by name; the attention implementation is
+``"eager"`` or ``"sdpa"`` (the ones that add a custom 4D float mask as given: flash attention ignores
+custom masks and flex attention wants a ``BlockMask``); the decoder layers are reachable as
+``model.get_decoder().layers``; and the attention layers are either all full or all sliding-window
+with one window size (mixed layer types would need one mask per layer type).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from .tree import Tree
+
+SUPPORTED_ATTENTION = ("eager", "sdpa")
+REQUIRED_FORWARD_INPUTS = ("attention_mask", "position_ids", "cache")
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # (1, T, V) float32
+    features: torch.Tensor  # (1, T, 3H) hidden states entering the low, mid and high feature layers
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's choice: the hidden states entering layers 2, L // 2 and L - 3."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def _check_feature_layers(layers: Sequence[int], num_layers: int) -> tuple[int, int, int]:
+    layers = tuple(int(i) for i in layers)
+    if len(layers) != 3:
+        raise ValueError(
+            f"feature_layers must be exactly 3 layer indices (low, mid, high), got {len(layers)}: {layers}"
+        )
+    bad = [i for i in layers if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(
+            f"feature_layers {layers} has indices {bad} outside the valid range [0, {num_layers}): "
+            f"the model has {num_layers} decoder layers"
+        )
+    return layers  # type: ignore[return-value]
+
+
+def _sliding_window(text_config, num_layers: int) -> int | None:
+    """The attention window shared by every layer, None for full attention; mixed types are refused."""
+    window = getattr(text_config, "sliding_window", None)
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is None:  # Llama / Mistral style: one kind of layer, set by `sliding_window`
+        return window
+    kinds = set(layer_types[:num_layers])
+    if kinds == {"full_attention"}:
+        return None
+    if kinds == {"sliding_attention"} and window is not None:
+        return window
+    raise ValueError(
+        f"unsupported layer types {sorted(kinds)}: TargetModel builds one 4D mask for all layers, so the "
+        "attention layers must be all 'full_attention' or all 'sliding_attention' with one window "
+        "(e.g. load Qwen2 with use_sliding_window=False)"
+    )
+
+
+def _check_supported(model) -> None:
+    """Raise a TypeError / ValueError naming what is missing when the model cannot be driven here."""
+    params = inspect.signature(model.forward).parameters
+    missing = [name for name in REQUIRED_FORWARD_INPUTS if name not in params]
+    if missing:
+        raise TypeError(
+            f"{type(model).__name__}.forward lacks the inputs {missing}: TargetModel needs a causal LM whose "
+            f"forward takes {list(REQUIRED_FORWARD_INPUTS)} by name (transformers >= 5 models do)"
+        )
+    get_decoder = getattr(model, "get_decoder", None)
+    layers = getattr(get_decoder(), "layers", None) if callable(get_decoder) else None
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise TypeError(
+            f"cannot find the decoder layers of {type(model).__name__}: expected model.get_decoder().layers "
+            "to be a torch.nn.ModuleList"
+        )
+    impl = getattr(model.config.get_text_config(decoder=True), "_attn_implementation", None)
+    if impl not in SUPPORTED_ATTENTION:
+        raise ValueError(
+            f"attention implementation {impl!r} cannot take the custom 4D float attention mask that tree "
+            f"verification needs; load the model with attn_implementation='eager' or 'sdpa'"
+        )
+
+
+class TargetModel:
+    """A frozen causal LM: logits plus fused low/mid/high features for every input position."""
+
+    def __init__(self, model, feature_layers: Sequence[int] | None = None):
+        _check_supported(model)
+        self.model = model
+        self.config = model.config
+        text_config = model.config.get_text_config(decoder=True)
+        self._layers = model.get_decoder().layers
+        self.num_layers = len(self._layers)
+        self.hidden_size = int(text_config.hidden_size)
+        self.vocab_size = int(text_config.vocab_size)
+        self.sliding_window = _sliding_window(text_config, self.num_layers)
+        if feature_layers is None:
+            feature_layers = default_feature_layers(self.num_layers)
+        self.feature_layers = _check_feature_layers(feature_layers, self.num_layers)
+        self.embed_tokens = model.get_input_embeddings()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str,
+        dtype: torch.dtype = torch.float32,
+        feature_layers: Sequence[int] | None = None,
+        **kwargs,
+    ) -> TargetModel:
+        """Load a hub id or a local folder with ``AutoModelForCausalLM`` (sdpa attention unless
+        ``attn_implementation`` is given in ``kwargs``, e.g. ``device_map``), in eval mode."""
+        from transformers import AutoModelForCausalLM
+
+        kwargs.setdefault("attn_implementation", "sdpa")
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **kwargs)
+        return cls(model.eval(), feature_layers=feature_layers)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def __repr__(self) -> str:
+        return (
+            f"TargetModel({type(self.model).__name__}, layers={self.num_layers}, hidden={self.hidden_size}, "
+            f"vocab={self.vocab_size}, feature_layers={self.feature_layers})"
+        )
+
+    # ----------------------------------------------------------------------------------------- cache
+
+    def new_cache(self):
+        """An empty DynamicCache of plain (full) layers; it fills lazily on the first forward."""
+        from transformers import DynamicCache
+
+        return DynamicCache()
+
+    @staticmethod
+    def cache_length(cache) -> int:
+        return int(cache.get_seq_length())
+
+    def compact_cache(self, cache, start: int, keep: Sequence[int]) -> None:
+        """Move the entries at ``start + keep[j]`` to ``start + j`` in every layer, then crop the cache
+        to ``start + len(keep)``. ``keep`` is strictly ascending (so ``keep[j] >= j``), e.g.
+        ``[0, 1 + a1, 1 + a2, ...]`` for the root and the accepted nodes ``a1 < a2 < ...`` after
+        ``verify``. Only entries that actually move are gathered."""
+        from transformers.cache_utils import DynamicLayer
+
+        keep = [int(k) for k in keep]
+        length = self.cache_length(cache)
+        if any(b <= a for a, b in zip(keep, keep[1:], strict=False)) or (keep and keep[0] < 0):
+            raise ValueError(f"keep must be strictly ascending non-negative offsets, got {keep}")
+        if not 0 <= start <= length or (keep and start + keep[-1] >= length):
+            raise ValueError(f"start={start} with keep={keep} is outside the cache of length {length}")
+        for i, layer in enumerate(cache.layers):
+            if type(layer) is not DynamicLayer:
+                raise TypeError(
+                    f"cache layer {i} is a {type(layer).__name__}; compact_cache handles plain DynamicLayer "
+                    "entries only: make caches with TargetModel.new_cache()"
+                )
+        first_move = next((j for j, k in enumerate(keep) if k != j), len(keep))
+        src = torch.tensor(keep[first_move:], dtype=torch.long)
+        for layer in cache.layers:
+            if not layer.is_initialized or len(src) == 0:
+                continue
+            # keys / values: (1, n_kv_heads, S, head_dim); gather the moved entries, write them in place
+            idx = (start + src).to(layer.keys.device)
+            dst = slice(start + first_move, start + len(keep))
+            layer.keys[:, :, dst] = layer.keys.index_select(2, idx)
+            layer.values[:, :, dst] = layer.values.index_select(2, idx)
+        removed = length - (start + len(keep))
+        if removed:
+            cache.crop(-removed)  # transformers 5: a negative count removes that many entries
+
+    # --------------------------------------------------------------------------------------- forward
+
+    @contextmanager
+    def _capture_features(self) -> Iterator[dict[int, torch.Tensor]]:
+        """Forward pre-hooks on the feature layers, registered for one forward and always removed."""
+        captured: dict[int, torch.Tensor] = {}
+
+        def hook_for(index: int):
+            def hook(module, args, kwargs):
+                captured[index] = args[0] if args else kwargs["hidden_states"]  # (1, T, H)
+
+            return hook
+
+        handles = [
+            self._layers[i].register_forward_pre_hook(hook_for(i), with_kwargs=True)
+            for i in sorted(set(self.feature_layers))
+        ]
+        try:
+            yield captured
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> TargetOutput:
+        """One forward over ``input_ids`` (1, T), appending T entries to ``cache``.
+
+        ``position_ids`` (1, T) default to ``past + arange(T)``. ``attention_mask``: None for causal
+        attention, or a 4D mask (1, 1, T, past + T), float (0 visible, -inf hidden) or bool (True visible).
+        """
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"input_ids must have shape (1, T), got {tuple(input_ids.shape)}")
+        past, t = self.cache_length(cache), input_ids.shape[1]
+        input_ids = input_ids.to(self.device)
+        if position_ids is None:
+            position_ids = torch.arange(past, past + t, device=self.device)[None]  # (1, T)
+        if attention_mask is not None:
+            if tuple(attention_mask.shape) != (1, 1, t, past + t):
+                raise ValueError(
+                    f"attention_mask must have shape (1, 1, T, past + T) = {(1, 1, t, past + t)}, "
+                    f"got {tuple(attention_mask.shape)}"
+                )
+            if attention_mask.dtype == torch.bool:
+                attention_mask = _additive_mask(attention_mask, self.dtype)
+            attention_mask = attention_mask.to(device=self.device, dtype=self.dtype)
+        with self._capture_features() as captured:
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=position_ids.to(self.device),
+                attention_mask=attention_mask,
+                cache=cache,
+                use_cache=True,
+            )
+        features = torch.cat([captured[i] for i in self.feature_layers], dim=-1)  # (1, T, 3H)
+        return TargetOutput(logits=out.logits.float(), features=features)
+
+    def prefill(self, input_ids: torch.Tensor, cache) -> TargetOutput:
+        """Plain causal forward; positions continue from the cache length."""
+        return self.forward(input_ids, cache)
+
+    def verify(self, root_token: int, tree: Tree, cache) -> TargetOutput:
+        """One forward over [root, tree.tokens] (T = n + 1) under the tree mask.
+
+        With ``past`` = cache length (the committed prefix minus the root), the root sits at position
+        ``past`` and node i at ``past + depth(i)``; every query sees the whole cache (within the sliding
+        window, if any), the root, its ancestors and itself. The cache grows by n + 1 entries.
+        """
+        past = self.cache_length(cache)
+        input_ids = torch.tensor([[int(root_token), *tree.tokens]], dtype=torch.long)  # (1, T)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), tree.position_offsets()])  # (T,)
+        positions = (past + offsets).to(self.device)  # (T,)
+        visible = torch.ones(len(positions), past + len(positions), dtype=torch.bool, device=self.device)
+        visible[:, past:] = tree.attention_mask_with_root()  # (T, past + T): the cache, then the tree
+        if self.sliding_window is not None:
+            key_positions = torch.cat([torch.arange(past, device=self.device), positions])  # (past + T,)
+            visible &= key_positions[None, :] > positions[:, None] - self.sliding_window
+        mask = _additive_mask(visible, self.dtype)[None, None]  # (1, 1, T, past + T)
+        return self.forward(input_ids, cache, position_ids=positions[None], attention_mask=mask)
+
+
+def _additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool (True = visible) -> float mask with 0 where visible and -inf elsewhere."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
