@@ -1,0 +1,489 @@
+"""Training data: datasets, chat templates, assistant-only loss masks, batches and the draft vocabulary.
+
+An *example* is a mapping with ``input_ids`` (list[int]) and ``loss_mask`` (list[int] of 0/1), the
+same length; ``loss_mask[j] = 1`` marks token ``j`` as one the draft is trained to predict (the
+training loop does the shift). :func:`load_examples` returns them as a ``datasets.Dataset`` (Arrow,
+memory-mapped, so a large corpus does not live in Python lists); a plain ``list[dict]`` works
+everywhere an example sequence is expected.
+
+Sources: a hub id, or local json / jsonl / parquet / text files given as a path, a glob, a directory
+(searched recursively) or a list of those. A row holds either a conversation (column
+``conversations`` or ``messages``: a list of ``{"from", "value"}`` ShareGPT messages with
+``from`` in human/gpt/system, or ``{"role", "content"}`` messages) or plain ``text``.
+
+Loss-mask rule for conversations (template-agnostic, no ``{% generation %}`` markers needed). Let
+``render(m, gen)`` be the chat template's text for messages ``m`` (with the generation prompt when
+``gen``). For the assistant message ``i`` the loss span is the characters
+
+    start = len(common_prefix(render(m[:i], gen=True), render(m[:i+1])))
+    end   = len(render(m[:i+1])) with trailing whitespace removed
+
+of ``render(m)``: everything the template emits for that turn after the assistant header (the
+generation prompt), i.e. the content and the end-of-turn token(s) (``<|im_end|>``, ``<|eot_id|>``,
+``</s>``), but not the header/role tokens nor the whitespace the template puts between turns
+(ChatML's ``\\n`` after ``<|im_end|>``). A token is in the loss when its character range overlaps a
+span (the rule transformers uses for ``{% generation %}``); special tokens the tokenizer adds
+outside the text are not. ``render(m[:i+1])`` must be a prefix of ``render(m)``; a template that
+re-renders earlier turns differently (e.g. one that drops reasoning from old turns) is refused
+with a ValueError unless it marks assistant text with ``{% generation %}``: templates that do are
+masked by their own markers (``return_assistant_tokens_mask``) instead. Assistant messages before
+the first non-assistant message are dropped (a conversation cannot open with the reply).
+
+Plain text: every token of the text is in the loss; special tokens the tokenizer adds (BOS) are not.
+
+Length rule: a sample longer than ``max_length`` tokens is cut to its first ``max_length`` tokens
+(``too_long="truncate"``) or dropped (``too_long="drop"``); any sample left without a loss token
+(no assistant reply, empty text, or truncated before the first reply) is dropped.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DataConfig",
+    "load_examples",
+    "normalize_messages",
+    "assistant_spans",
+    "encode_conversation",
+    "encode_text",
+    "fit_length",
+    "Batch",
+    "batches",
+    "num_batches",
+    "epoch_order",
+    "token_frequencies",
+    "draft_vocab_from_counts",
+    "build_draft_vocab",
+]
+
+TooLong = Literal["truncate", "drop"]
+
+# file suffix -> datasets builder; compressed files (.gz, .zst, ...) are read by the same builder
+BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
+_COMPRESSION = {".gz", ".bz2", ".xz", ".zst", ".lz4"}
+CONVERSATION_FIELDS = ("conversations", "messages")
+TEXT_FIELDS = ("text",)
+ROLES = {
+    "human": "user", "user": "user",
+    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant",
+    "bard": "assistant", "model": "assistant",
+    "system": "system", "tool": "tool", "function": "tool", "observation": "tool", "ipython": "ipython",
+}
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+@dataclass
+class DataConfig:
+    """Where the training data is and how it is tokenised; embedded in the training config."""
+
+    path: str | list[str] = field(metadata={"help": "hub dataset id, or local json/jsonl/parquet/text file(s): "
+                                                    "a path, a glob, a directory or a list of them"})
+    split: str = field(default="train", metadata={"help": "split to read; local files form the 'train' split "
+                                                          "(slices such as 'train[:95%]' work)"})
+    max_length: int = field(default=2048, metadata={"help": "longest sample in tokens"})
+    too_long: TooLong = field(default="truncate", metadata={
+        "help": "longer samples: 'truncate' keeps the first max_length tokens (dropped if no loss token "
+                "remains), 'drop' drops them"})
+    limit: int | None = field(default=None, metadata={"help": "read only the first N rows of the split"})
+    text_field: str | None = field(default=None, metadata={"help": "plain-text column (default: 'text')"})
+    conversations_field: str | None = field(default=None, metadata={
+        "help": "conversation column (default: 'conversations', then 'messages')"})
+    text_sample_by: Literal["line", "paragraph", "document"] = field(default="document", metadata={
+        "help": "for .txt files: one sample per line, paragraph or whole file"})
+    draft_vocab_size: int = field(default=32000, metadata={
+        "help": "size of the draft vocabulary (most frequent loss-masked target tokens); "
+                ">= the target vocabulary means all of it"})
+    num_proc: int | None = field(default=None, metadata={"help": "processes for tokenisation (None: one)"})
+    cache_dir: str | None = field(default=None, metadata={"help": "datasets cache directory (None: HF default)"})
+
+    def __post_init__(self) -> None:
+        if self.max_length < 1:
+            raise ValueError(f"max_length must be >= 1, got {self.max_length}")
+        if self.too_long not in ("truncate", "drop"):
+            raise ValueError(f"too_long must be 'truncate' or 'drop', got {self.too_long!r}")
+        if self.limit is not None and self.limit < 0:
+            raise ValueError(f"limit must be >= 0, got {self.limit}")
+        if self.draft_vocab_size < 1:
+            raise ValueError(f"draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
+
+    def load(self, tokenizer):
+        """:func:`load_examples` with these settings."""
+        return load_examples(
+            self.path, tokenizer, split=self.split, max_length=self.max_length, too_long=self.too_long,
+            text_field=self.text_field, conversations_field=self.conversations_field, limit=self.limit,
+            text_sample_by=self.text_sample_by, num_proc=self.num_proc, cache_dir=self.cache_dir,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+
+
+def load_examples(
+    source,
+    tokenizer,
+    *,
+    split: str = "train",
+    max_length: int = 2048,
+    too_long: TooLong = "truncate",
+    text_field: str | None = None,
+    conversations_field: str | None = None,
+    limit: int | None = None,
+    text_sample_by: Literal["line", "paragraph", "document"] = "document",
+    num_proc: int | None = None,
+    cache_dir: str | None = None,
+):
+    """Read ``source`` and tokenise it into a ``datasets.Dataset`` of ``input_ids`` / ``loss_mask``.
+
+    source: a hub id, local file(s) (path, glob, directory, or a list of them), or a
+    ``datasets.Dataset``. ``limit`` keeps the first rows of the split before tokenising. Samples are
+    kept in order; those that fail the length rule or have no loss token are dropped (counted in the log).
+    """
+    if too_long not in ("truncate", "drop"):
+        raise ValueError(f"too_long must be 'truncate' or 'drop', got {too_long!r}")
+    if max_length < 1:
+        raise ValueError(f"max_length must be >= 1, got {max_length}")
+    import datasets
+
+    raw = source if isinstance(source, datasets.Dataset) else _load_raw(source, split, text_sample_by, cache_dir)
+    if limit is not None:
+        raw = raw.select(range(min(limit, len(raw))))
+    kind, column = _find_column(raw.column_names, text_field, conversations_field, source)
+    if kind == "conversations" and getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("the dataset holds conversations but the tokenizer has no chat_template")
+    features = datasets.Features(
+        {"input_ids": datasets.List(datasets.Value("int32")), "loss_mask": datasets.List(datasets.Value("int8"))}
+    )
+    encoded = raw.map(
+        _encode_rows,
+        batched=True,
+        remove_columns=raw.column_names,
+        features=features,
+        fn_kwargs=dict(tokenizer=tokenizer, kind=kind, column=column, max_length=max_length, too_long=too_long),
+        num_proc=num_proc,
+        desc="tokenising",
+    )
+    dropped = len(raw) - len(encoded)
+    if dropped:
+        logger.info("dropped %d of %d samples (too long with too_long=%r, or no loss token)",
+                    dropped, len(raw), too_long)
+    return encoded
+
+
+def _local_files(source: str | Sequence[str]) -> list[str] | None:
+    """The data files ``source`` names, or None when it is a hub id (a string that is no local path)."""
+    items = [source] if isinstance(source, str | os.PathLike) else list(source)
+    files: list[str] = []
+    for item in map(str, items):
+        path = Path(item).expanduser()
+        if path.is_dir():
+            found = sorted(str(f) for f in path.rglob("*") if f.is_file() and _builder(f, strict=False)
+                           and not any(p.startswith(".") for p in f.relative_to(path).parts))
+            if not found:
+                raise FileNotFoundError(f"no {'/'.join(BUILDERS)} files under {item!r}")
+            files += found
+        elif path.is_file():
+            files.append(str(path))
+        elif glob.has_magic(item):
+            found = sorted(f for f in glob.glob(os.path.expanduser(item), recursive=True) if os.path.isfile(f))
+            if not found:
+                raise FileNotFoundError(f"no files match {item!r}")
+            files += found
+        elif isinstance(source, str | os.PathLike) and not _builder(path, strict=False):
+            return None  # not a path: a hub id
+        else:
+            raise FileNotFoundError(f"no such data file or directory: {item!r}")
+    return files
+
+
+def _builder(path: Path, strict: bool = True) -> str | None:
+    suffixes = [s.lower() for s in path.suffixes]
+    while suffixes and suffixes[-1] in _COMPRESSION:
+        suffixes.pop()
+    builder = BUILDERS.get(suffixes[-1]) if suffixes else None
+    if builder is None and strict:
+        raise ValueError(f"cannot tell the format of {str(path)!r}; expected one of {', '.join(BUILDERS)}")
+    return builder
+
+
+def _load_raw(source, split: str, text_sample_by: str, cache_dir: str | None):
+    import datasets
+
+    files = _local_files(source)
+    if files is None:  # hub id
+        return datasets.load_dataset(source, split=split, cache_dir=cache_dir)
+    builders = {_builder(Path(f)) for f in files}
+    if len(builders) > 1:
+        raise ValueError(f"data files mix formats {sorted(builders)}; give files of one format")
+    builder = builders.pop()
+    kwargs = {"sample_by": text_sample_by} if builder == "text" else {}
+    return datasets.load_dataset(builder, data_files=files, split=split, cache_dir=cache_dir, **kwargs)
+
+
+def _find_column(found: list[str], text_field: str | None, conversations_field: str | None, source) -> tuple[str, str]:
+    """("conversations" | "text", column name), or a ValueError naming the fields found and expected."""
+    where = f"dataset {source!r}" if isinstance(source, str | list) else "the dataset"
+    for kind, name in (("conversations", conversations_field), ("text", text_field)):
+        if name is not None:
+            if name not in found:
+                raise ValueError(f"{where} has no field {name!r} (set by {kind}_field); fields found: {found}")
+            return kind, name
+    for kind, names in (("conversations", CONVERSATION_FIELDS), ("text", TEXT_FIELDS)):
+        for name in names:
+            if name in found:
+                return kind, name
+    raise ValueError(
+        f"{where} has fields {found}; expected a conversation field {list(CONVERSATION_FIELDS)} (a list of "
+        f"{{'from', 'value'}} or {{'role', 'content'}} messages) or a text field {list(TEXT_FIELDS)}; "
+        f"name another column with conversations_field= or text_field="
+    )
+
+
+def _encode_rows(rows: dict[str, list], tokenizer, kind: str, column: str, max_length: int, too_long: TooLong):
+    out: dict[str, list] = {"input_ids": [], "loss_mask": []}
+    for sample in rows[column]:
+        if kind == "conversations":
+            example = encode_conversation(normalize_messages(sample or []), tokenizer)
+        else:
+            example = encode_text(sample or "", tokenizer)
+        example = fit_length(example, max_length, too_long)
+        if example is not None:
+            out["input_ids"].append(example["input_ids"])
+            out["loss_mask"].append(example["loss_mask"])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenising
+
+
+def normalize_messages(messages: Sequence[dict]) -> list[dict[str, str]]:
+    """ShareGPT ``{from, value}`` or ``{role, content}`` messages -> ``{role, content}`` with
+    role in user/assistant/system/tool; assistant messages before the first other message are dropped."""
+    out: list[dict[str, str]] = []
+    for m in messages:
+        role = m.get("role") if m.get("role") is not None else m.get("from")
+        content = m.get("content") if m.get("content") is not None else m.get("value")
+        if role is None:
+            keys = sorted(k for k, v in m.items() if v is not None)
+            raise ValueError(f"message has fields {keys}; expected 'from' and 'value', or 'role' and 'content'")
+        if str(role).lower() not in ROLES:
+            raise ValueError(f"unknown message role {role!r}; expected one of {sorted(ROLES)}")
+        role = ROLES[str(role).lower()]
+        if role == "assistant" and not out:
+            continue  # a leading reply has no prompt
+        out.append({"role": role, "content": "" if content is None else str(content)})
+    return out
+
+
+def _render(tokenizer, messages: list[dict], generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def assistant_spans(messages: list[dict[str, str]], tokenizer) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character span ``[start, end)`` of every assistant turn
+    (the module docstring states the rule). Raises ValueError if the template renders prefixes inconsistently."""
+    text = _render(tokenizer, messages)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        through = _render(tokenizer, messages[: i + 1])
+        if not text.startswith(through):
+            raise ValueError(
+                f"the chat template renders messages[:{i + 1}] differently from the start of the whole "
+                "conversation, so assistant spans cannot be found by rendering prefixes; mark the assistant "
+                "text in the template with {% generation %} ... {% endgeneration %}"
+            )
+        start = len(os.path.commonprefix([_render(tokenizer, messages[:i], generation_prompt=True), through]))
+        spans.append((start, start + len(through[start:].rstrip())))
+    return text, spans
+
+
+def _mask_from_spans(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> list[int]:
+    """1 for tokens whose character range [s, e) overlaps a span; 0 for empty ranges (added tokens)."""
+    return [int(e > s and any(s < b and e > a for a, b in spans)) for s, e in offsets]
+
+
+def encode_conversation(messages: list[dict[str, str]], tokenizer) -> dict[str, list[int]]:
+    """Normalised messages -> ``input_ids`` through the chat template and the assistant-only ``loss_mask``."""
+    if not messages:
+        return {"input_ids": [], "loss_mask": []}
+    template = tokenizer.get_chat_template()
+    if _GENERATION_TAG.search(template):
+        enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+        return {"input_ids": list(enc["input_ids"]), "loss_mask": [int(v) for v in enc["assistant_masks"]]}
+    text, spans = assistant_spans(messages, tokenizer)
+    enc = _encode_with_offsets(tokenizer, text, add_special_tokens=False)
+    return {"input_ids": enc["input_ids"], "loss_mask": _mask_from_spans(enc["offset_mapping"], spans)}
+
+
+def encode_text(text: str, tokenizer) -> dict[str, list[int]]:
+    """Plain text -> ``input_ids`` with the tokenizer's special tokens (BOS), loss on every text token."""
+    enc = _encode_with_offsets(tokenizer, text, add_special_tokens=True)
+    return {"input_ids": enc["input_ids"], "loss_mask": [int(e > s) for s, e in enc["offset_mapping"]]}
+
+
+def _encode_with_offsets(tokenizer, text: str, add_special_tokens: bool):
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError("loss masks need character offsets: use a fast (Rust) tokenizer")
+    return tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+
+
+def fit_length(example: dict[str, list[int]], max_length: int, too_long: TooLong = "truncate"):
+    """The length rule: the example, its first ``max_length`` tokens, or None (dropped)."""
+    ids, mask = example["input_ids"], example["loss_mask"]
+    if len(ids) > max_length:
+        if too_long == "drop":
+            return None
+        ids, mask = ids[:max_length], mask[:max_length]
+    if not any(mask):
+        return None
+    return {"input_ids": list(ids), "loss_mask": list(mask)}
+
+
+# ---------------------------------------------------------------------------------------------
+# batches
+
+
+@dataclass
+class Batch:
+    """Right-padded examples; ``index`` is the batch's position in its epoch (resume at ``index + 1``)."""
+
+    input_ids: torch.Tensor  # (B, T) long, pad_id after each example's length
+    loss_mask: torch.Tensor  # (B, T) long 0/1, 0 on padding
+    lengths: torch.Tensor  # (B,) long
+    indices: list[int]  # the examples' indices in the example sequence
+    index: int
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """(B, T) long: 1 on real tokens, 0 on padding."""
+        positions = torch.arange(self.input_ids.shape[1])
+        return (positions[None, :] < self.lengths[:, None]).long()
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
+    """The permutation of ``range(n)`` for (seed, epoch): a function of the three only (numpy PCG64)."""
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+def num_batches(n: int, batch_size: int, drop_last: bool = False) -> int:
+    return n // batch_size if drop_last else -(-n // batch_size)
+
+
+def batches(
+    examples: Sequence[Any],
+    batch_size: int,
+    seed: int,
+    epoch: int,
+    *,
+    pad_id: int = 0,
+    start: int = 0,
+    drop_last: bool = False,
+) -> Iterator[Batch]:
+    """The batches of one epoch in the order fixed by (seed, epoch), from batch number ``start``.
+
+    ``batches(..., start=k)`` yields exactly ``list(batches(...))[k:]`` without touching the first
+    ``k`` batches' examples: resume with ``start`` = the number of batches consumed this epoch.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    order = epoch_order(len(examples), seed, epoch)
+    for b in range(start, num_batches(len(order), batch_size, drop_last)):
+        indices = order[b * batch_size : (b + 1) * batch_size].tolist()
+        ids, masks = _gather(examples, indices)
+        lengths = torch.tensor([len(x) for x in ids], dtype=torch.long)
+        width = int(lengths.max())
+        input_ids = torch.full((len(ids), width), pad_id, dtype=torch.long)
+        loss_mask = torch.zeros((len(ids), width), dtype=torch.long)
+        for row, (x, m) in enumerate(zip(ids, masks, strict=True)):
+            input_ids[row, : len(x)] = torch.as_tensor(x, dtype=torch.long)
+            loss_mask[row, : len(m)] = torch.as_tensor(m, dtype=torch.long)
+        yield Batch(input_ids, loss_mask, lengths, indices, b)
+
+
+def _gather(examples, indices: list[int]) -> tuple[list, list]:
+    if hasattr(examples, "column_names"):  # a datasets.Dataset: one columnar read
+        rows = examples[indices]
+        return rows["input_ids"], rows["loss_mask"]
+    rows = [examples[i] for i in indices]
+    return [r["input_ids"] for r in rows], [r["loss_mask"] for r in rows]
+
+
+# ---------------------------------------------------------------------------------------------
+# draft vocabulary
+
+
+def token_frequencies(examples, vocab_size: int, chunk_tokens: int = 1 << 22) -> torch.Tensor:
+    """(vocab_size,) long: how often each target id occurs at a loss-masked position."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    pending: list[np.ndarray] = []
+    size = 0
+
+    def flush() -> None:
+        nonlocal size
+        if pending:
+            ids = np.concatenate(pending)
+            if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+                raise ValueError(f"token ids outside [0, {vocab_size}): min {ids.min()}, max {ids.max()}")
+            counts[:] += np.bincount(ids, minlength=vocab_size)
+            pending.clear()
+            size = 0
+
+    for ids, mask in _iter_columns(examples):
+        masked = np.asarray(ids, dtype=np.int64)[np.asarray(mask, dtype=bool)]
+        pending.append(masked)
+        size += masked.size
+        if size >= chunk_tokens:
+            flush()
+    flush()
+    return torch.from_numpy(counts)
+
+
+def _iter_columns(examples) -> Iterator[tuple[list[int], list[int]]]:
+    if hasattr(examples, "iter") and hasattr(examples, "column_names"):  # datasets.Dataset
+        for rows in examples.iter(batch_size=1024):
+            yield from zip(rows["input_ids"], rows["loss_mask"], strict=True)
+    else:
+        for ex in examples:
+            yield ex["input_ids"], ex["loss_mask"]
+
+
+def draft_vocab_from_counts(counts: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
+    """Sorted ids of the ``draft_vocab_size`` largest counts, ties (zero counts included) to the smaller id.
+
+    So when fewer than ``draft_vocab_size`` ids were seen, the rest are the smallest unseen ids; when
+    ``draft_vocab_size >= len(counts)``, all ids.
+    """
+    if draft_vocab_size < 1:
+        raise ValueError(f"draft_vocab_size must be >= 1, got {draft_vocab_size}")
+    counts = torch.as_tensor(counts).long()
+    order = torch.sort(counts, descending=True, stable=True).indices  # stable: equal counts keep id order
+    return order[:draft_vocab_size].sort().values
+
+
+def build_draft_vocab(examples, vocab_size_target: int, draft_vocab_size: int) -> torch.Tensor:
+    """The draft vocabulary: sorted target ids (LongTensor) of the most frequent loss-masked tokens.
+
+    Pass it to ``Eagle3DraftModel.from_target(target, draft_vocab=ids)`` (or ``vocab_maps``). Rule:
+    by count descending, ties to the smaller id; ids never seen fill the rest in increasing order;
+    ``draft_vocab_size >= vocab_size_target`` gives the whole vocabulary.
+    """
+    if draft_vocab_size >= vocab_size_target:
+        return torch.arange(vocab_size_target)
+    return draft_vocab_from_counts(token_frequencies(examples, vocab_size_target), draft_vocab_size)
