@@ -21,6 +21,16 @@ def survival_curve(accepted_per_round: Sequence[int], depth: int) -> list[float]
     return [sum(a >= i for a in accepted_per_round) / n for i in range(1, depth + 1)]
 
 
+def per_position_acceptance(survival: Sequence[float]) -> list[float | None]:
+    """Pr(A >= i | A >= i - 1) for i = 1..depth from a survival curve: how often the draft token at
+    depth i is accepted once every token above it was (None where no round reached depth i - 1)."""
+    out, previous = [], 1.0
+    for s in survival:
+        out.append(s / previous if previous > 0 else None)
+        previous = s
+    return out
+
+
 def _quantile(values: Sequence[float], q: float) -> float:
     if not values:
         return float("nan")

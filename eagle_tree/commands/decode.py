@@ -26,12 +26,15 @@ class DecodeConfig:
     """Target model: a local folder or a hub id (AutoModelForCausalLM + AutoTokenizer)."""
     head: str | None = "assets/reference/head"
     """EAGLE-3 draft head folder; null for plain decoding."""
-    mode: Literal["tree", "chain", "plain"] = "tree"
-    """tree: dynamic tree (the `tree` section); chain: `chain_length` tokens; plain: no draft."""
+    mode: Literal["tree", "chain", "plain", "auto"] = "tree"
+    """tree: dynamic tree (the `tree` section); chain: `chain_length` tokens; plain: no draft; auto: the
+    shape `eagle-tree bench` selected (lowest time per output token on its tuning prompts), read from `shapes`."""
     tree: TreeConfig = field(default_factory=TreeConfig)
     """Dynamic-tree shape: depth, top_k, total_tokens, sampled (Gumbel-top-k children)."""
     chain_length: int = 5
     """Draft tokens per round in chain mode."""
+    shapes: str = "results/bench/shapes.json"
+    """mode=auto: the tuning result written by `eagle-tree bench` (its shapes.json)."""
     prompts: str = "assets/reference/prompts/test.jsonl"
     """Prompt file: .jsonl with a `prompt` field per line, or .txt with one prompt per line."""
     prompt: str | None = None
@@ -95,6 +98,10 @@ def load_models(cfg: DecodeConfig):
     else:
         target = TargetModel.from_pretrained(cfg.target, dtype=dtype)
     tree = TreeConfig.chain(cfg.chain_length, sampled=cfg.tree.sampled) if cfg.mode == "chain" else cfg.tree
+    if cfg.mode == "auto":
+        from ..shapes import load_tuned_shape
+
+        tree = load_tuned_shape(cfg.shapes)
     return SpeculativeDecoder(target, head, tree=tree), tokenizer
 
 

@@ -1,0 +1,371 @@
+"""``eagle-tree bench``: eagle-tree against Hugging Face baselines, side by side in one run.
+
+1. Tuning: every candidate draft shape (``chain_lengths`` and ``trees``) decodes the tuning prompts;
+   per shape the mean round time C and mean committed tokens K give C / K, and the shape with the
+   lowest C / K is selected per kind (eagle_tree.shapes). The result goes to ``shapes.json``, which
+   ``eagle-tree decode mode=auto shapes=...`` reads.
+2. Test: on the test prompts (never the tuning ones), every method runs with the same target object,
+   prompts, sampling settings, seeds and output budget, interleaved and repeated: plain decoding in
+   eagle-tree's loop (the speed-up denominator), HF ``generate``, HF assisted generation, HF prompt
+   lookup, and the eagle-tree shapes (all candidates, or only the selected ones).
+3. Report in ``output_dir``: ``bench.json`` (conditions, config, tuning, one row per method, the
+   call order), ``bench.md`` (tables), ``survival.png`` and ``time_per_token.png``, ``config.yaml``.
+
+``tiny_assets=FOLDER`` builds (once) a tiny random target, an untrained head, an assistant (the
+target's own weights) and prompts there and uses them instead of the reference assets: the smoke run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from ..config import config_to_dict, parse_cli, save_config
+from ..drafting import TreeConfig
+from ..sampling import SamplingConfig
+from ..tracking import WandbConfig
+
+MethodKind = Literal["plain", "hf_generate", "hf_assisted", "hf_prompt_lookup", "chain", "tree"]
+
+
+@dataclass
+class BenchConfig:
+    """Benchmark eagle-tree (plain, chain, tree) against HF generate, assisted generation and prompt lookup."""
+
+    target: str = "assets/reference/target"
+    """Target model folder or hub id."""
+    head: str | None = "assets/reference/head"
+    """EAGLE-3 head folder (null: no chain / tree methods)."""
+    assistant: str | None = "assets/reference/assistant"
+    """Assistant model for HF assisted generation, same tokenizer as the target (null: skip that method)."""
+    tuning_prompts: str = "assets/reference/prompts/tuning.jsonl"
+    """Prompts the draft shapes are tuned on."""
+    test_prompts: str = "assets/reference/prompts/test.jsonl"
+    """Prompts the comparison is reported on (must share no prompt with the tuning file)."""
+    tuning_limit: int | None = 8
+    """Use only the first N tuning prompts."""
+    test_limit: int | None = 16
+    """Use only the first N test prompts."""
+    max_new_tokens: int = 64
+    """Output budget per prompt, the same for every method."""
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))
+    """temperature (0 = greedy), top_k (0 = off), top_p (1.0 = off); the same for every method."""
+    seed: int = 0
+    """Seed of prompt p is seed + p, in every method and repeat."""
+    stop_at_eos: bool = True
+    """Stop at the tokenizer's EOS token (length differences from plain decoding are reported)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Precision of target, head and assistant."""
+    device: str = "cpu"
+    """Device of all models (e.g. cuda)."""
+    threads: int | None = None
+    """torch.set_num_threads (null: torch's default)."""
+    repeats: int = 3
+    """Passes over the test prompts; times are medians over passes."""
+    tuning_repeats: int = 1
+    """Passes over the tuning prompts."""
+    warmup: int = 1
+    """Prompts every method decodes first in each phase, unrecorded."""
+    chain_lengths: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8])
+    """Candidate chain lengths."""
+    trees: list[TreeConfig] = field(default_factory=lambda: [
+        TreeConfig(depth=4, top_k=4, total_tokens=16), TreeConfig(depth=5, top_k=6, total_tokens=32),
+        TreeConfig(depth=6, top_k=8, total_tokens=48)])
+    """Candidate trees (depth, top_k, total_tokens, sampled)."""
+    report_shapes: Literal["all", "selected"] = "all"
+    """Shapes in the test comparison: every candidate, or only the selected chain and tree."""
+    methods: list[MethodKind] = field(default_factory=lambda: [
+        "plain", "hf_generate", "hf_assisted", "hf_prompt_lookup", "chain", "tree"])
+    """Methods to compare (plain always runs: it is the speed-up denominator)."""
+    prompt_lookup_tokens: int = 10
+    """prompt_lookup_num_tokens of HF prompt lookup."""
+    assistant_tokens: int | None = None
+    """Fixed draft length for HF assisted generation, without HF's confidence stop (null: HF's own heuristics)."""
+    output_dir: str = "results/bench"
+    """Where bench.json, bench.md, the plots, shapes.json and config.yaml go."""
+    tiny_assets: str | None = None
+    """Build tiny random models and prompts in this folder (once) and use them instead of the paths above."""
+    plots: bool = True
+    """Write PNG plots (matplotlib, Agg)."""
+    verbose: bool = False
+    """Print one line per generate call."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases logging of the summary and plots."""
+
+
+TINY_PROMPTS = {
+    "tuning": ["def add(a, b):\n    return", "import os\nimport sys\n\n", "class Point:\n    def __init__(self",
+               "for i in range(10):\n    print("],
+    "test": ["def main():\n    args =", "with open(path) as f:\n    data", "if __name__ == '__main__':\n",
+             "x = [i * i for i in", "while True:\n    line = input("],
+}
+
+
+def build_tiny_assets(folder: str | Path) -> dict[str, Path]:
+    """A tiny random Llama (char tokenizer), an untrained head, the target's own weights as the
+    assistant, and tuning / test prompt files, built once in ``folder``; returns their paths."""
+    import shutil
+    import tempfile
+
+    folder = Path(folder)
+    paths = {"target": folder / "target", "head": folder / "head", "assistant": folder / "assistant",
+             "tuning_prompts": folder / "tuning.jsonl", "test_prompts": folder / "test.jsonl"}
+    if (folder / "COMPLETE").is_file():
+        return paths
+    from ..draft_model import Eagle3DraftModel
+    from ..tiny import char_tokenizer, tiny_causal_lm
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        tok = char_tokenizer()
+        model = tiny_causal_lm("llama", vocab_size=len(tok), num_layers=4, attn_implementation="sdpa",
+                               eos_token_id=tok.eos_token_id, bos_token_id=None, pad_token_id=tok.unk_token_id)
+        for name in ("target", "assistant"):
+            model.save_pretrained(tmp / name)
+            tok.save_pretrained(tmp / name)
+        Eagle3DraftModel.from_target(model).save_pretrained(tmp / "head")
+        for split, prompts in TINY_PROMPTS.items():
+            (tmp / f"{split}.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+        (tmp / "COMPLETE").write_text("tiny bench assets\n")
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return paths
+
+
+def load_bench_models(cfg: BenchConfig):
+    """BenchModels: the target and head through ``eagle-tree decode``'s loader, plus the assistant."""
+    import torch
+
+    from ..bench import BenchModels
+    from .decode import DecodeConfig, load_models
+
+    wants_head = any(m in cfg.methods for m in ("chain", "tree"))
+    if wants_head and cfg.head is None:
+        raise ValueError("methods chain / tree need a draft head: set head=PATH or drop them from `methods`")
+    head = cfg.head if wants_head else None
+    decoder, tokenizer = load_models(DecodeConfig(target=cfg.target, head=head, mode="tree" if head else "plain",
+                                                  dtype=cfg.dtype))
+    target, draft = decoder.target, decoder.draft
+    assistant = None
+    if "hf_assisted" in cfg.methods:
+        if cfg.assistant is None:
+            raise ValueError("method hf_assisted needs an assistant model: set assistant=PATH or drop it")
+        from transformers import AutoModelForCausalLM
+
+        assistant = AutoModelForCausalLM.from_pretrained(cfg.assistant, dtype=getattr(torch, cfg.dtype)).eval()
+    if cfg.device != "cpu":
+        target.model.to(cfg.device)
+        for module in (draft, assistant):
+            if module is not None:
+                module.to(cfg.device)
+    return BenchModels(target, tokenizer, head=draft, assistant=assistant, assistant_tokens=cfg.assistant_tokens)
+
+
+def baseline_methods(cfg: BenchConfig):
+    from ..bench import HF_GENERATE, PLAIN, Method
+
+    methods = [PLAIN]
+    if "hf_generate" in cfg.methods:
+        methods.append(HF_GENERATE)
+    if "hf_assisted" in cfg.methods:
+        methods.append(Method("hf_assisted", "hf", assistant=True))
+    if "hf_prompt_lookup" in cfg.methods:
+        methods.append(Method("hf_prompt_lookup", "hf", prompt_lookup_tokens=cfg.prompt_lookup_tokens))
+    return methods
+
+
+def candidate_shapes(cfg: BenchConfig) -> list[TreeConfig]:
+    shapes = [TreeConfig.chain(n, sampled=False) for n in cfg.chain_lengths] if "chain" in cfg.methods else []
+    shapes += list(cfg.trees) if "tree" in cfg.methods else []
+    return list(dict.fromkeys(shapes))
+
+
+def tune_shapes(cfg: BenchConfig, models, tuning_ids, out_dir: Path, **common):
+    """Run every candidate shape on the tuning prompts; write shapes.json; return (its dict, selection)."""
+    from .. import bench
+    from ..shapes import save_tuned_shapes, selection
+
+    shapes = candidate_shapes(cfg)
+    print(f"tuning {len(shapes)} shapes on {len(tuning_ids)} prompts x {cfg.tuning_repeats} ({cfg.tuning_prompts})")
+    result = bench.run_phase("tuning", [bench.eagle_method(s) for s in shapes], models, tuning_ids,
+                             cfg.tuning_repeats, **common)
+    measured = bench.shape_measurements(result)
+    tuning = save_tuned_shapes(out_dir / "shapes.json", measured, temperature=cfg.sampling.temperature,
+                               prompts=cfg.tuning_prompts, n_prompts=len(tuning_ids),
+                               max_new_tokens=cfg.max_new_tokens, target=cfg.target, head=cfg.head)
+    return tuning | {"schedule": result.schedule}, selection(measured)
+
+
+def main(argv: list[str]) -> int:
+    cfg = parse_cli(BenchConfig, argv, prog="eagle-tree bench")
+    import torch
+
+    from .. import bench
+    from ..tracking import RunLogger
+    from .decode import read_prompts
+
+    if cfg.tiny_assets:
+        for key, path in build_tiny_assets(cfg.tiny_assets).items():
+            setattr(cfg, key, str(path))
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    out_dir = Path(cfg.output_dir)
+    save_config(cfg, out_dir / "config.yaml")
+    models = load_bench_models(cfg)
+    common = dict(max_new_tokens=cfg.max_new_tokens, sampling=cfg.sampling, seed=cfg.seed, warmup=cfg.warmup,
+                  eos_token_id=models.tokenizer.eos_token_id if cfg.stop_at_eos else None,
+                  log=print if cfg.verbose else None)
+
+    def encode(texts):
+        return [torch.tensor([models.tokenizer.encode(t)]) for t in texts]
+
+    # 1. tuning: shapes measured on the tuning prompts, never on the test prompts
+    test_texts = read_prompts(cfg.test_prompts)[: cfg.test_limit or None]
+    shapes, tuning, chosen = candidate_shapes(cfg), None, {}
+    if shapes:
+        tuning_texts = read_prompts(cfg.tuning_prompts)[: cfg.tuning_limit or None]
+        if set(tuning_texts) & set(test_texts):
+            raise ValueError("some prompts appear in both the tuning and the test prompts: tune on other prompts")
+        tuning, chosen = tune_shapes(cfg, models, encode(tuning_texts), out_dir, **common)
+        if cfg.report_shapes == "selected":
+            shapes = list(dict.fromkeys(chosen[k].tree for k in ("chain", "tree") if k in chosen))
+
+    # 2. the comparison on the test prompts
+    methods = baseline_methods(cfg) + [bench.eagle_method(s) for s in shapes]
+    print(f"comparing {len(methods)} methods on {len(test_texts)} prompts x {cfg.repeats} ({cfg.test_prompts})")
+    result = bench.run_phase("test", methods, models, encode(test_texts), cfg.repeats, **common)
+    rows = bench.method_rows(result, cfg.sampling)
+    for row in rows:
+        row["selected_as"] = sorted(k for k, m in chosen.items() if row["tree"] and m.name == row["method"])
+
+    # 3. the report
+    report = {"conditions": bench.conditions(models, cfg.dtype), "config": config_to_dict(cfg), "tuning": tuning,
+              "methods": rows, "schedule": result.schedule, "notes": NOTES}
+    (out_dir / "bench.json").write_text(json.dumps(_json_safe(report), indent=2, allow_nan=False))
+    table = markdown_report(report)
+    (out_dir / "bench.md").write_text(table)
+    plots = write_plots(rows, out_dir) if cfg.plots else []
+    print("\n" + table)
+    with RunLogger(cfg.wandb, run_config=config_to_dict(cfg), job_type="bench") as logger:
+        logger.summary({f"bench/{r['method']}/{k}": v for r in rows for k, v in r.items()
+                        if isinstance(v, int | float) and not isinstance(v, bool)})
+        for path in plots:
+            logger.log_image(f"bench/{path.stem}", path)
+    selected = f"; {chosen['best'].name} selected in shapes.json" if chosen else ""
+    print(f"results in {out_dir}/: bench.json, bench.md, config.yaml{', PNG plots' if plots else ''}{selected}")
+    return 0
+
+
+NOTES = {
+    "acceptance_length": "tokens committed per round (accepted draft tokens + correction/bonus), over rounds after "
+                         "the prefill; HF methods: measured with a streamer, one put per target forward",
+    "time_per_output_token_s": "median over repeats of (cumulative wall time / committed tokens) per repeat, "
+                               "prefill included",
+    "speedup_vs_plain": "median over repeats of plain's time per output token / the method's, same repeat",
+    "time_split": "eagle-tree: draft (with draft-cache catch-up), verify, other (sampling, cache); HF: target forward"
+                  " time as verify, assistant forward time as draft, the rest of the time between puts as other",
+    "peak_memory_mb": "peak above the level at the start of each call, max over calls; see conditions.memory_method",
+    "outputs_match_plain": "greedy only (null when sampling): every output token equals eagle-tree plain decoding's",
+    "hf_rounds": "HF's first target forward is the prefill (for assisted / prompt lookup it also verifies a first "
+                 "draft): its tokens count as output, not as a round; in rounds cut by EOS or the budget, "
+                 "accepted = committed - 1",
+}
+
+
+def _json_safe(value):
+    """NaN (e.g. gaps of a single-token output) -> None, recursively."""
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _ms(value) -> str:
+    return "-" if value is None or value != value else f"{1000 * value:.2f}"
+
+
+def markdown_report(report: dict) -> str:
+    c = report["conditions"]
+    lines = ["# eagle-tree bench", "",
+             f"{c['cpu']} ({c['cpus_usable']} usable cores), {c['device']}, {c['dtype']}, torch {c['torch']} "
+             f"({c['torch_threads']} threads), transformers {c['transformers']}; target "
+             f"{c['target']['parameters']:,} parameters; peak memory: {c['memory_method']}", ""]
+    if report["tuning"]:
+        t = report["tuning"]
+        lines += ["## Tuning (draft shape by lowest C / K)", "",
+                  "| shape | rounds | C ms/round | K tokens/round | C/K ms | selected |", "|---|---|---|---|---|---|"]
+        for s in t["shapes"]:
+            sel = ", ".join(k for k, n in t["selected"].items() if n == s["name"])
+            lines.append(f"| {s['name']} | {s['rounds']} | {_ms(s['round_s'])} | {s['committed']:.2f} | "
+                         f"{_ms(s['time_per_token_s'])} | {sel} |")
+        steps = [s for kind in ("chain", "tree") for s in t["marginal"][kind]]
+        if steps:
+            lines += ["", "Marginal rule (a growth step helps when dC/dK < C/K):", "",
+                      "| step | dC ms | dK | dC/dK ms | C/K ms | helps |", "|---|---|---|---|---|---|"]
+            lines += [f"| {s['small']} -> {s['large']} | {_ms(s['d_round_s'])} | {s['d_committed']:+.2f} | "
+                      f"{_ms(s['marginal_s'])} | {_ms(s['threshold_s'])} | {'yes' if s['helps'] else 'no'} |"
+                      for s in steps]
+        lines.append("")
+    lines += ["## Comparison on the test prompts", "",
+              "| method | shape | tau | ms/token | speed-up | TTFT ms | latency ms | gap p50/p95 ms | "
+              "draft/verify/other ms/round | peak MB | = plain |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["methods"]:
+        match = {True: "yes", False: "NO", None: "n/a"}[r["outputs_match_plain"]]
+        speedup = "-" if r["speedup_vs_plain"] is None else f"{r['speedup_vs_plain']:.2f}x"
+        name = r["method"] + (f" ({', '.join(r['selected_as'])})" if r.get("selected_as") else "")
+        lines.append(
+            f"| {name} | {r['shape']} | {r['acceptance_length']:.2f} | {_ms(r['time_per_output_token_s'])} | "
+            f"{speedup} | {_ms(r['time_to_first_token_s'])} | {_ms(r['latency_s'])} | "
+            f"{_ms(r['gap_p50_s'])} / {_ms(r['gap_p95_s'])} | {_ms(r['draft_s_per_round'])} / "
+            f"{_ms(r['verify_s_per_round'])} / {_ms(r['other_s_per_round'])} | {r['peak_memory_mb']:.1f} | {match} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_plots(rows: list[dict], out_dir: Path) -> list[Path]:
+    """survival.png (Pr(A >= i) per method with a draft) and time_per_token.png (ms by method)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    paths = []
+    fig = Figure(figsize=(7, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for r in rows:
+        if r["survival"]:
+            ax.plot(range(1, len(r["survival"]) + 1), r["survival"], marker="o", label=r["method"])
+    ax.set(xlabel="draft depth i", ylabel="Pr(accepted >= i)", title="Survival of draft tokens", ylim=(0, 1.02))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if ax.lines:
+        ax.legend(fontsize=8)
+    paths.append(out_dir / "survival.png")
+    fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
+
+    fig = Figure(figsize=(7, 0.4 * len(rows) + 1.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    names = [r["method"] for r in rows]
+    ax.barh(names, [1000 * r["time_per_output_token_s"] for r in rows], color="tab:blue")
+    ax.invert_yaxis()
+    plain = next((r for r in rows if r["method"] == "plain"), None)
+    if plain is not None:
+        ax.axvline(1000 * plain["time_per_output_token_s"], color="gray", linestyle="--", label="plain (eagle-tree)")
+        ax.legend(fontsize=8)
+    ax.set(xlabel="time per output token (ms, median over repeats)", title="Time per output token by method")
+    paths.append(out_dir / "time_per_token.png")
+    fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
+    return paths
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

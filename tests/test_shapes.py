@@ -1,0 +1,100 @@
+"""Draft-shape selection: the C / K criterion, the marginal rule and the tuning file."""
+
+import json
+import random
+
+import pytest
+
+from eagle_tree.drafting import TreeConfig
+from eagle_tree.shapes import (
+    ShapeMeasurement,
+    change_helps,
+    grow_while_helps,
+    load_tuned_shape,
+    marginal_steps,
+    pick_best,
+    save_tuned_shapes,
+    selection,
+    shape_name,
+)
+
+
+def _m(tree, c, k, rounds=10):
+    return ShapeMeasurement(tree, c, k, rounds)
+
+
+def test_shape_names():
+    assert shape_name(TreeConfig.chain(4)) == "chain-4"
+    assert shape_name(TreeConfig(depth=6, top_k=8, total_tokens=48)) == "tree-d6k8n48"
+    assert shape_name(TreeConfig(depth=3, top_k=2, total_tokens=6, sampled=True)) == "tree-d3k2n6-sampled"
+
+
+def test_marginal_rule_by_hand():
+    # C = 10 ms, K = 2 tokens: 5 ms per token. One more token for 4 ms pays; for 6 ms or exactly 5 it does not.
+    assert change_helps(10.0, 2.0, 4.0, 1.0)
+    assert not change_helps(10.0, 2.0, 6.0, 1.0)
+    assert not change_helps(10.0, 2.0, 5.0, 1.0)
+    assert change_helps(10.0, 2.0, -1.0, 0.0) and not change_helps(10.0, 2.0, 1.0, 0.0)
+    assert change_helps(10.0, 2.0, -6.0, -1.0)  # 4 ms / 1 token < 5
+    assert not change_helps(10.0, 2.0, -4.0, -1.0)  # 6 ms / 1 token > 5
+    with pytest.raises(ValueError):
+        change_helps(0.0, 2.0, 1.0, 1.0)
+    with pytest.raises(ValueError):
+        change_helps(10.0, 2.0, 1.0, -2.0)
+
+
+def test_marginal_rule_agrees_with_comparing_time_per_token():
+    rng = random.Random(0)
+    for _ in range(2000):
+        c, k = rng.uniform(1e-3, 1.0), rng.uniform(1.0, 6.0)
+        dc, dk = rng.uniform(-0.5, 1.0) * c, rng.uniform(-0.5, 3.0)
+        if k + dk <= 0 or c + dc <= 0 or abs((c + dc) / (k + dk) - c / k) < 1e-12:
+            continue
+        assert change_helps(c, k, dc, dk) == ((c + dc) / (k + dk) < c / k)
+
+
+def test_pick_best_lowest_time_per_token_ties_to_smaller_shape():
+    a = _m(TreeConfig.chain(2), 0.020, 2.0)  # 10 ms / token
+    b = _m(TreeConfig.chain(4), 0.030, 2.5)  # 12 ms / token
+    c = _m(TreeConfig(depth=4, top_k=4, total_tokens=16), 0.036, 4.0)  # 9 ms / token
+    assert pick_best([a, b, c]) is c
+    assert pick_best([a, b]) is a
+    big_tie = _m(TreeConfig(depth=4, top_k=4, total_tokens=32), 0.072, 8.0)  # also 9 ms / token, more nodes
+    assert pick_best([big_tie, c]) is c
+    with pytest.raises(ValueError):
+        pick_best([])
+    with pytest.raises(ValueError, match="committed"):
+        ShapeMeasurement(TreeConfig.chain(1), 0.01, 0.0)
+
+
+def test_marginal_walk_stops_at_first_step_that_does_not_pay():
+    chain = [_m(TreeConfig.chain(n), c, k) for n, c, k in
+             [(1, 0.020, 1.6), (2, 0.024, 2.1), (3, 0.030, 2.3), (4, 0.031, 2.9)]]
+    steps = marginal_steps(chain)
+    assert [s.helps for s in steps] == [True, False, True]
+    assert steps[0].marginal_s == pytest.approx(0.004 / 0.5)
+    assert steps[0].threshold_s == pytest.approx(0.020 / 1.6)
+    assert grow_while_helps(chain) is chain[1]  # the walk stops before chain-3 ...
+    assert pick_best(chain) is chain[3]  # ... although chain-4 is the global optimum
+
+
+def test_tuning_file_round_trip(tmp_path):
+    chains = [_m(TreeConfig.chain(1), 0.020, 1.5), _m(TreeConfig.chain(3), 0.030, 2.5)]
+    trees = [_m(TreeConfig(depth=3, top_k=2, total_tokens=6), 0.030, 2.4),
+             _m(TreeConfig(depth=5, top_k=4, total_tokens=20), 0.040, 3.6)]
+    path = tmp_path / "shapes.json"
+    data = save_tuned_shapes(path, chains + trees, temperature=0.0)
+    assert data["selected"] == {"best": "tree-d5k4n20", "chain": "chain-3", "tree": "tree-d5k4n20"}
+    assert json.loads(path.read_text())["context"] == {"temperature": 0.0}
+    assert load_tuned_shape(path) == TreeConfig(depth=5, top_k=4, total_tokens=20)
+    assert load_tuned_shape(path, "chain") == TreeConfig.chain(3)
+    assert [s["helps"] for s in data["marginal"]["chain"]] == [True]
+    assert set(selection(chains)) == {"best", "chain"}
+    save_tuned_shapes(path, chains)
+    with pytest.raises(ValueError, match="selects no 'tree'"):
+        load_tuned_shape(path, "tree")
+    with pytest.raises(FileNotFoundError, match="eagle-tree bench"):
+        load_tuned_shape(tmp_path / "missing.json")
+    (tmp_path / "other.json").write_text(json.dumps({"format": "something else"}))
+    with pytest.raises(ValueError, match="not an eagle-tree shapes file"):
+        load_tuned_shape(tmp_path / "other.json")
