@@ -93,56 +93,18 @@ class Eagle3Config:
             "model_type": "llama",
             "num_hidden_layers": 1,
             "tie_word_embeddings": False,
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.feature_layers)},
             **d,
         }
 
     @classmethod
-    def from_json_dict(cls, d: dict) -> Eagle3Config:
-        """Read our config.json and the official EAGLE-3 / SGLang style (a Llama config plus
-        ``draft_vocab_size``, optional ``target_hidden_size`` and ``eagle_config``)."""
-        d = dict(d)
-        if "speculators_model_type" in d:
-            raise ValueError(
-                "this is a vLLM speculators config; load it with Eagle3DraftModel.from_pretrained, "
-                "which converts the layouts it knows"
-            )
-        missing = [k for k in ("hidden_size", "num_attention_heads", "vocab_size") if k not in d]
-        if missing:
-            raise ValueError(f"config.json is not an EAGLE-3 head config: missing {missing}")
-        eagle = d.get("eagle_config") or {}
-        layers = d.get("feature_layers") or eagle.get("eagle_aux_hidden_state_layer_ids")
-        n_target = d.get("target_num_layers")
-        if layers is None:
-            if n_target is None:
-                raise ValueError(
-                    "the head config names neither its feature layers (eagle_config."
-                    "eagle_aux_hidden_state_layer_ids) nor the target's layer count; pass "
-                    "feature_layers=... to from_pretrained"
-                )
-            layers = default_feature_layers(n_target)
-        rope = d.get("rope_parameters")
-        if rope is None:  # 4.x style
-            rope = dict(d.get("rope_scaling") or {"rope_type": "default"})
-            rope.setdefault("rope_type", rope.pop("type", "default"))
-            rope["rope_theta"] = d.get("rope_theta", 10000.0)
-        heads = d["num_attention_heads"]
-        return cls(
-            hidden_size=d["hidden_size"],
-            intermediate_size=d.get("intermediate_size", 4 * d["hidden_size"]),
-            num_attention_heads=heads,
-            num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            vocab_size=d["vocab_size"],
-            draft_vocab_size=d.get("draft_vocab_size") or d["vocab_size"],
-            target_hidden_size=d.get("target_hidden_size") or d["hidden_size"],
-            target_num_layers=n_target if n_target is not None else -1,
-            feature_layers=tuple(layers),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
-            rope_parameters=rope,
-            hidden_act=d.get("hidden_act", "silu"),
-        )
+    def from_json_dict(cls, d: dict, target_num_layers: int | None = None) -> Eagle3Config:
+        """Read our config.json, the official EAGLE-3 / SGLang style (a Llama config plus
+        ``draft_vocab_size``, optional ``target_hidden_size`` and ``eagle_config``) or a vLLM speculators
+        config; see :func:`eagle_tree.export.read_config` (``target_num_layers`` resolves the default
+        feature layers of configs that name none)."""
+        from .export import read_config
+
+        return read_config(d, target_num_layers=target_num_layers)
 
 
 class Eagle3Attention(nn.Module):
@@ -345,20 +307,16 @@ class Eagle3DraftModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, target=None, dtype: torch.dtype | None = None):
-        """Load a head saved by eagle-tree or in the EAGLE-3 layout; bind it to ``target`` if given."""
-        from safetensors.torch import load_file
+        """Load a head saved by eagle-tree or in the EAGLE-3, SGLang or vLLM speculators layout (see
+        :mod:`eagle_tree.export`); bind it to ``target`` if given. A config that names no feature
+        layers (official EAGLE-3 style) gets the default layers of ``target``, which is then required."""
+        from .export import read_head
 
-        path = Path(path)
-        cfg_file, weights = path / CONFIG_NAME, path / WEIGHTS_NAME
-        if not cfg_file.is_file():
-            raise FileNotFoundError(f"{path} holds no {CONFIG_NAME}; is this an EAGLE-3 head folder?")
-        cfg = Eagle3Config.from_json_dict(json.loads(cfg_file.read_text()))
-        if weights.is_file():
-            state = load_file(str(weights))
-        elif (path / "pytorch_model.bin").is_file():
-            state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        else:
-            raise FileNotFoundError(f"{path} holds no {WEIGHTS_NAME} (or pytorch_model.bin)")
+        layers = None
+        if target is not None:
+            hf = target.model if _is_wrapper(target) else target
+            layers = hf.config.get_text_config(decoder=True).num_hidden_layers
+        cfg, state = read_head(path, target_num_layers=layers)
         return cls.from_state_dict(cfg, state, target=target, dtype=dtype)
 
     @classmethod
@@ -439,10 +397,13 @@ def check_head_matches_target(cfg: Eagle3Config, target_config, target_layers=No
     if target_layers is not None and tuple(target_layers) != tuple(cfg.feature_layers):
         problems.append(f"feature layers {list(cfg.feature_layers)} vs the target wrapper's {list(target_layers)}")
     rope = getattr(target_config, "rope_parameters", None)
+    if rope is None and getattr(target_config, "rope_theta", None) is not None:  # transformers 4.x config
+        rope = {**(getattr(target_config, "rope_scaling", None) or {}), "rope_theta": target_config.rope_theta}
     if rope is not None and cfg.rope_parameters:
-        for key in ("rope_type", "rope_theta"):
-            if key in rope and key in cfg.rope_parameters and rope[key] != cfg.rope_parameters[key]:
-                problems.append(f"rope {key} {cfg.rope_parameters[key]} vs the target's {rope[key]}")
+        for key in sorted(set(rope) & set(cfg.rope_parameters)):  # type, theta and the scaling fields
+            mine, theirs = cfg.rope_parameters[key], rope[key]
+            if not isinstance(theirs, dict) and mine != theirs:  # dict: per-layer-type rope, not compared
+                problems.append(f"rope {key} {mine} vs the target's {theirs}")
     if problems:
         raise ValueError("this draft head does not belong to this target: " + "; ".join(problems))
 

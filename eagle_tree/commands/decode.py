@@ -6,6 +6,7 @@ histogram and the summary to W&B (offline when no API key is set; ``wandb.mode=d
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from dataclasses import dataclass, field
@@ -91,8 +92,12 @@ def load_models(cfg: DecodeConfig):
         if cfg.head is None:
             raise ValueError(f"mode={cfg.mode} needs a draft head: set head=PATH (or mode=plain)")
         head_path = Path(cfg.head)
-        head_cfg = json.loads((head_path / "config.json").read_text()) if head_path.is_dir() else {}
-        layers = head_cfg.get("feature_layers")
+        layers = None
+        if (head_path / "config.json").is_file():
+            from ..export import read_config
+
+            with contextlib.suppress(ValueError):  # layers unknown until the target is loaded
+                layers = read_config(json.loads((head_path / "config.json").read_text())).feature_layers
         target = TargetModel.from_pretrained(cfg.target, dtype=dtype, feature_layers=layers)
         head = Eagle3DraftModel.from_pretrained(cfg.head, target=target, dtype=dtype)
     else:
