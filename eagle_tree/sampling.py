@@ -28,13 +28,15 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature):
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float):
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables top-k), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, int | float) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must lie in (0, 1] (1.0 disables top-p), got {self.top_p!r}")
 
     @property
@@ -63,7 +65,8 @@ def processed_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Ten
     if sampling.greedy:
         return torch.nn.functional.one_hot(greedy_token(logits), logits.shape[-1]).float()
 
-    scores = logits / sampling.temperature
+    # shifting by the row max first keeps a tiny temperature from overflowing to inf (softmax is shift-invariant)
+    scores = (logits - logits.max(dim=-1, keepdim=True).values) / sampling.temperature
     if sampling.top_k > 0:
         k = min(sampling.top_k, scores.shape[-1])
         kth = torch.topk(scores, k, dim=-1).values[..., -1:]

@@ -37,7 +37,14 @@ def _normalise(x: torch.Tensor) -> torch.Tensor | None:
 
 
 def _sample(dist: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(dist, 1, generator=generator).item())
+    """Inverse-CDF draw from an unnormalised float64 row: the first token whose cumulative mass
+    exceeds u * total (never a zero-probability token)."""
+    cdf = dist.cumsum(0)
+    u = torch.rand((), generator=generator, dtype=torch.float64)
+    index = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
+    if index >= len(dist):  # rounding at the top: the last token with mass
+        index = int(torch.nonzero(dist > 0)[-1])
+    return index
 
 
 def _check_inputs(tree: Tree, target_probs, draft_probs, proposal: str) -> None:
@@ -79,8 +86,9 @@ def verify_tree(
     """
     tree = parents if isinstance(parents, Tree) else Tree(parents, tokens)
     _check_inputs(tree, target_probs, draft_probs, proposal)
-    p_all = target_probs.detach().to("cpu", torch.float64)
-    q_all = None if draft_probs is None else draft_probs.detach().to("cpu", torch.float64)
+    # Rows are converted to float64 when visited: the walk reads about depth + 1 of the n + 1 rows.
+    p_all = _Rows(target_probs)
+    q_all = None if draft_probs is None or proposal in ("greedy", "deterministic") else _Rows(draft_probs)
 
     accepted: list[int] = []
     node = ROOT
@@ -102,6 +110,16 @@ def verify_tree(
             return VerifyResult(accepted, _sample(residual, generator))
         accepted.append(child)
         node = child
+
+
+class _Rows:
+    """Lazy float64 CPU view of the rows of a (n + 1, V) table."""
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table.detach()
+
+    def __getitem__(self, row: int) -> torch.Tensor:
+        return self.table[row].to("cpu", torch.float64)
 
 
 def _check_children(kids, tokens, p, q_all, row, proposal, generator):
