@@ -1,0 +1,32 @@
+"""``eagle-tree train``: train an EAGLE-3 draft head (TrainConfig, see docs/TRAINING.md).
+
+    eagle-tree train --config configs/smoke.yaml output_dir=runs/smoke
+    torchrun --nproc_per_node 2 -m eagle_tree.cli train --config configs/smoke.yaml cpu=true   # DDP on CPU
+    accelerate launch --multi_gpu --num_processes 8 -m eagle_tree.cli train --config ...          # GPUs
+"""
+
+from __future__ import annotations
+
+from ..config import parse_cli
+
+
+def main(argv: list[str]) -> int:
+    from ..training import TrainConfig, train
+
+    cfg = parse_cli(TrainConfig, argv, prog="eagle-tree train")
+    result = train(cfg)
+    if result.world_size == 1 or _is_main():
+        print(f"[eagle-tree train] {result.steps} steps, {result.tokens} tokens in {result.wall_s:.1f} s; "
+              f"head in {result.final_dir}")
+        for ev in result.evals:
+            print(f"[eagle-tree train] step {ev['step']}: acceptance length chain "
+                  f"{ev['acceptance_length_chain']:.3f}, tree {ev['acceptance_length_tree']:.3f}")
+        if result.run_dir is not None:
+            print(f"[eagle-tree train] W&B run: {result.run_dir}")
+    return 0
+
+
+def _is_main() -> bool:
+    import os
+
+    return os.environ.get("RANK", "0") == "0"

@@ -1,0 +1,132 @@
+"""The feature cache reproduces the online path exactly, resumes a partial build and refuses a stale one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import eagle_tree as et
+from eagle_tree.data import batches
+from eagle_tree.feature_cache import (
+    FeatureCache,
+    StaleCacheError,
+    compress_logits,
+    example_targets,
+    expand_logits,
+)
+from eagle_tree.target import TargetModel
+from eagle_tree.tiny import tiny_causal_lm
+from eagle_tree.training import TTTLoss, batch_targets
+from eagle_tree.ttt import ttt_forward
+
+VOCAB = 128
+DRAFT_IDS = torch.arange(0, VOCAB, 2)  # half the vocabulary: many target top tokens fall outside it
+
+
+def make_examples(n: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(6, 20, (1,), generator=g))
+        ids = torch.randint(0, VOCAB, (length,), generator=g).tolist()
+        mask = [0] + [int(v) for v in (torch.rand(length - 1, generator=g) < 0.8).tolist()]
+        out.append({"input_ids": ids, "loss_mask": mask})
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target = TargetModel(tiny_causal_lm("llama", vocab_size=VOCAB, num_layers=6, seed=3))
+    draft = et.Eagle3DraftModel.from_target(target, draft_vocab=DRAFT_IDS, seed=1)
+    return target, draft, make_examples(10, seed=0)
+
+
+def test_expand_compress_keeps_what_the_loss_reads(setup):
+    target, draft, examples = setup
+    _, z = example_targets(target, torch.tensor(examples[0]["input_ids"]))
+    d, top = compress_logits(z, DRAFT_IDS, draft.t2d)
+    assert not bool(top.all()) and bool(top.any())  # both branches of the rule are exercised
+    full = expand_logits(d, top, DRAFT_IDS, VOCAB)
+    torch.testing.assert_close(full[:, DRAFT_IDS], z[:, DRAFT_IDS], rtol=0, atol=0)
+    assert torch.equal(draft.t2d[full.argmax(-1)], draft.t2d[z.argmax(-1)])
+
+
+def test_cached_loss_equals_online_loss_exactly(setup, tmp_path):
+    target, draft, examples = setup
+    cache = FeatureCache.build(tmp_path / "cache", target, examples, DRAFT_IDS, examples_per_shard=3)
+    assert len(cache) == len(examples) and cache.meta["num_shards"] == 4
+    module = TTTLoss(draft, steps=4, decay=0.8)
+    n_checked = 0
+    for batch in batches(examples, batch_size=4, seed=0, epoch=0):
+        f_on, z_on = batch_targets(batch, target=target)
+        f_ca, z_ca = batch_targets(batch, cache=cache)
+        assert torch.equal(f_on, f_ca)  # features stored in the target dtype, bit for bit
+        args = (batch.input_ids, batch.loss_mask)
+        loss_on, out_on = module(f_on, *args, z_on, batch.lengths)
+        loss_ca, out_ca = module(f_ca, *args, z_ca, batch.lengths)
+        assert loss_on.item() == loss_ca.item()
+        assert out_on.step_losses == out_ca.step_losses and out_on.step_accuracy == out_ca.step_accuracy
+        assert out_on.step_counts == out_ca.step_counts and sum(out_on.step_counts) > 0
+        n_checked += 1
+    assert n_checked == 3
+
+
+def test_a_lossy_store_would_be_caught(setup):
+    """Negative control: rounding the stored logits to bfloat16 changes the loss, so equality above means something."""
+    target, draft, examples = setup
+    ids = torch.tensor([examples[1]["input_ids"]])
+    f, z = example_targets(target, ids[0])
+    mask = torch.tensor([examples[1]["loss_mask"]])
+    exact = ttt_forward(draft, f[None], ids, mask, z[None], steps=3).loss.item()
+    rounded = ttt_forward(draft, f[None], ids, mask, z[None].bfloat16().float(), steps=3).loss.item()
+    assert exact != rounded
+
+
+def test_interrupted_build_resumes(setup, tmp_path):
+    target, _, examples = setup
+    folder = tmp_path / "cache"
+    FeatureCache.build(folder, target, examples, DRAFT_IDS, examples_per_shard=4)
+    before = {p.name: p.stat().st_mtime_ns for p in folder.glob("shard-*")}
+    reference = FeatureCache(folder).get(9)
+    (folder / "shard-00002.safetensors").unlink()  # as if killed before the last shard
+    with pytest.raises(RuntimeError, match="incomplete"):
+        FeatureCache.open(folder)
+    cache = FeatureCache.build(folder, target, examples, DRAFT_IDS, examples_per_shard=4)
+    after = {p.name: p.stat().st_mtime_ns for p in folder.glob("shard-*")}
+    assert after["shard-00000.safetensors"] == before["shard-00000.safetensors"]  # not rewritten
+    assert after["shard-00001.safetensors"] == before["shard-00001.safetensors"]
+    for got, want in zip(cache.get(9), reference, strict=True):
+        assert torch.equal(got, want)
+    assert not list(folder.glob(".*tmp"))  # no temporary files left
+
+
+def test_stale_cache_is_refused(setup, tmp_path):
+    target, _, examples = setup
+    folder = tmp_path / "cache"
+    cache = FeatureCache.build(folder, target, examples, DRAFT_IDS, examples_per_shard=5)
+    good = FeatureCache.fingerprint(target, examples, DRAFT_IDS)
+    FeatureCache.open(folder, good)  # the matching fingerprint opens
+    assert cache.meta["fingerprint"] == good
+
+    other_data = examples[:-1] + [make_examples(1, seed=99)[0]]
+    with pytest.raises(StaleCacheError, match="dataset"):
+        FeatureCache.build(folder, target, other_data, DRAFT_IDS, examples_per_shard=5)
+    other_target = TargetModel(tiny_causal_lm("llama", vocab_size=VOCAB, num_layers=6, seed=4))
+    with pytest.raises(StaleCacheError, match="target"):
+        FeatureCache.build(folder, other_target, examples, DRAFT_IDS, examples_per_shard=5)
+    with pytest.raises(StaleCacheError, match="draft_vocab"):
+        FeatureCache.open(folder, FeatureCache.fingerprint(target, examples, DRAFT_IDS[:-1]))
+
+
+def test_fingerprint_sees_a_small_weight_change(setup):
+    from eagle_tree.feature_cache import target_fingerprint
+
+    target, _, _ = setup
+    before = target_fingerprint(target)
+    layer = target.model.model.layers[3].mlp.down_proj.weight
+    original = layer[5, 7].item()
+    with torch.no_grad():
+        layer[5, 7] += 1e-3
+        after = target_fingerprint(target)
+        layer[5, 7] = original
+    assert before != after
