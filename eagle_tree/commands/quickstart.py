@@ -1,0 +1,216 @@
+"""``eagle-tree quickstart``: the main job on the reference target, end to end.
+
+1. train an EAGLE-3 head on the reference target for a few minutes (the training-time test, online
+   target features, W&B offline when no API key is set);
+2. decode the held-out test prompts with plain decoding, chain and tree drafting at temperature 0
+   and 1 (same prompts, budget and seeds for every method, interleaved per prompt);
+3. print a table (acceptance length, time per output token, speed-up over plain decoding), save the
+   survival curves as a PNG and everything as JSON, and log it all to W&B.
+
+Outputs: ``results/quickstart/summary.json``, ``survival.png``, ``head/`` (the trained head).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..config import config_to_dict, parse_cli, save_config
+from ..drafting import TreeConfig
+from ..tracking import WandbConfig
+
+
+@dataclass
+class QuickstartConfig:
+    """Train a head on the reference target for a few minutes, then compare plain, chain and tree."""
+
+    output_dir: str = "results/quickstart"
+    """Where summary.json, survival.png, the head and the training run go."""
+    target: str = "assets/reference/target"
+    """The target model folder (the shipped reference target by default)."""
+    data: str = "stdlib:assets/reference/manifest.json#train"
+    """Training data: the reference corpus's train split (or any data.path the trainer accepts)."""
+    prompts: str = "assets/reference/prompts/test.jsonl"
+    """Held-out prompts to decode (.jsonl with a `prompt` field)."""
+    train_steps: int = 240
+    """Optimiser steps of head training (about 1 s each on 2 cores)."""
+    train_overrides: list[str] = field(default_factory=list)
+    """Extra dotted overrides for the training config, e.g. ["optim.lr=2e-3"]."""
+    num_prompts: int = 8
+    """Decode the first N test prompts."""
+    max_prompt_tokens: int = 192
+    """Keep the last N tokens of longer prompts."""
+    max_new_tokens: int = 64
+    """Output budget per prompt."""
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    """Sampling temperatures to compare (0 = greedy)."""
+    chain_length: int = 4
+    """Draft tokens per round in chain mode."""
+    tree: TreeConfig = field(default_factory=lambda: TreeConfig(depth=5, top_k=4, total_tokens=16))
+    """Dynamic-tree shape."""
+    seed: int = 0
+    """Seed of prompt i is seed + i, for every method."""
+    threads: int = 2
+    """torch CPU threads."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases logging (offline without an API key)."""
+
+
+def train_head(cfg: QuickstartConfig, out: Path) -> Path:
+    """Train the head with the project's trainer; return the folder of the final head."""
+    from ..config import load_config
+    from ..training import TrainConfig, train
+
+    overrides = [
+        f"output_dir={out / 'train'}",
+        f"target.path={cfg.target}",
+        f"data.path={cfg.data}",
+        "data.max_length=256",
+        "data.draft_vocab_size=768",
+        f"threads={cfg.threads}",
+        "optim.lr=2e-3",
+        "optim.batch_size=8",
+        f"schedule.max_steps={cfg.train_steps}",
+        "schedule.warmup_steps=20",
+        "ttt.steps=6",
+        "eval.every=0",
+        "eval.at_end=false",
+        "checkpoint.every=0",
+        f"wandb.mode={cfg.wandb.mode}",
+        f"wandb.project={cfg.wandb.project}",
+        f"seed={cfg.seed}",
+        *cfg.train_overrides,
+    ]
+    train_cfg = load_config(TrainConfig, None, overrides)
+    train(train_cfg)
+    return out / "train" / "final"
+
+
+def compare(cfg: QuickstartConfig, head_dir: Path):
+    """Decode the prompts with every method at every temperature; return summaries and outputs."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from ..decoder import SpeculativeDecoder
+    from ..draft_model import Eagle3DraftModel
+    from ..metrics import summarize
+    from ..sampling import SamplingConfig
+    from ..target import TargetModel
+    from .decode import read_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.target)
+    head_layers = json.loads((head_dir / "config.json").read_text()).get("feature_layers")
+    target = TargetModel.from_pretrained(cfg.target, feature_layers=head_layers)
+    head = Eagle3DraftModel.from_pretrained(head_dir, target=target)
+    decoders = {
+        "plain": SpeculativeDecoder(target),
+        "chain": SpeculativeDecoder(target, head, tree=TreeConfig.chain(cfg.chain_length)),
+        "tree": SpeculativeDecoder(target, head, tree=cfg.tree),
+    }
+    depths = {"plain": 0, "chain": cfg.chain_length, "tree": cfg.tree.depth}
+    prompts = read_prompts(cfg.prompts)[: cfg.num_prompts]
+    prompt_ids = [torch.tensor([tokenizer.encode(p)[-cfg.max_prompt_tokens :]]) for p in prompts]
+    decoders["plain"].generate(prompt_ids[0], 4)  # warm-up, not measured
+    rows, texts = [], {}
+    for temperature in cfg.temperatures:
+        sampling = SamplingConfig(temperature=temperature)
+        outs: dict[str, list] = {m: [] for m in decoders}
+        for i, ids in enumerate(prompt_ids):
+            order = list(decoders)[i % 3 :] + list(decoders)[: i % 3]  # rotate who goes first
+            for method in order:
+                outs[method].append(decoders[method].generate(ids, cfg.max_new_tokens, sampling, seed=cfg.seed + i))
+        plain_tpot = None
+        for method, method_outs in outs.items():
+            s = summarize(method, temperature, method_outs, depth=depths[method]).to_dict()
+            plain_tpot = s["time_per_output_token_s"] if method == "plain" else plain_tpot
+            s["speedup"] = plain_tpot / s["time_per_output_token_s"]
+            if temperature == 0.0:
+                s["outputs_match_plain"] = all(
+                    torch.equal(a.sequences, b.sequences) for a, b in zip(method_outs, outs["plain"], strict=True)
+                )
+            rows.append(s)
+            texts[f"{method}@{temperature}"] = tokenizer.decode(method_outs[0].sequences[0, prompt_ids[0].shape[1] :])
+    return rows, texts
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| method | temperature | acceptance length | ms / output token | speed-up "
+        "| draft / verify / other ms per round |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {r['temperature']:g} | {r['acceptance_length']:.2f} | "
+            f"{1000 * r['time_per_output_token_s']:.2f} | {r['speedup']:.2f}x | "
+            f"{1000 * r['draft_s_per_round']:.1f} / {1000 * r['verify_s_per_round']:.1f} / "
+            f"{1000 * r['other_s_per_round']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def survival_plot(rows: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        if r["survival"]:
+            xs = list(range(1, len(r["survival"]) + 1))
+            style = "-" if r["temperature"] == 0 else "--"
+            ax.plot(xs, r["survival"], style, marker="o", label=f"{r['method']}, T={r['temperature']:g}")
+    ax.set_xlabel("i (draft tokens)")
+    ax.set_ylabel("Pr(accepted >= i)")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("Survival of draft tokens per round")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str]) -> int:
+    cfg = parse_cli(QuickstartConfig, argv, prog="eagle-tree quickstart")
+    import torch
+
+    from ..tracking import RunLogger
+
+    torch.set_num_threads(cfg.threads)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if not Path(cfg.target).is_dir():
+        raise SystemExit(f"eagle-tree quickstart: no target at {cfg.target!r}; run from the repository root "
+                         "(the reference target ships in assets/reference/target)")
+    save_config(cfg, out / "config.yaml")
+    print(f"[1/3] training an EAGLE-3 head on {cfg.target} for {cfg.train_steps} steps")
+    final = train_head(cfg, out)
+    head_dir = out / "head"
+    shutil.rmtree(head_dir, ignore_errors=True)
+    shutil.copytree(final, head_dir)
+    print(f"[2/3] decoding {cfg.num_prompts} test prompts: plain, chain, tree at temperatures {cfg.temperatures}")
+    rows, texts = compare(cfg, head_dir)
+    print("[3/3] results\n")
+    print(table(rows))
+    survival_plot(rows, out / "survival.png")
+    summary = {"methods": rows, "samples": texts, "config": config_to_dict(cfg)}
+    (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (out / "details.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "table.md").write_text(table(rows) + "\n")
+    with RunLogger(cfg.wandb, run_config=config_to_dict(cfg), job_type="quickstart") as logger:
+        for r in rows:
+            key = f"{r['method']}_T{r['temperature']:g}"
+            logger.summary({f"quickstart/{key}/{k}": r[k] for k in
+                            ("acceptance_length", "time_per_output_token_s", "speedup")})
+            if r["survival"]:
+                xs = list(range(1, len(r["survival"]) + 1))
+                logger.log_line(f"quickstart/survival_{key}", xs, r["survival"], title=f"survival {key}",
+                                x_name="i", y_name="Pr(A >= i)")
+        logger.log_image("quickstart/survival_png", out / "survival.png")
+    print(f"\nwrote {out / 'summary.json'}, {out / 'survival.png'}, {head_dir}/")
+    return 0
