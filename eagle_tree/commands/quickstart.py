@@ -163,6 +163,9 @@ def survival_plot(rows: list[dict], path: Path) -> Path:
             xs = list(range(1, len(r["survival"]) + 1))
             style = "-" if r["temperature"] == 0 else "--"
             ax.plot(xs, r["survival"], style, marker="o", label=f"{r['method']}, T={r['temperature']:g}")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("i (draft tokens)")
     ax.set_ylabel("Pr(accepted >= i)")
     ax.set_ylim(0, 1.02)
