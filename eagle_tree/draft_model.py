@@ -174,6 +174,7 @@ class Eagle3DraftModel(nn.Module):
         self.rotary_emb = LlamaRotaryEmbedding(cfg.llama_config())
         if d2t is None:
             d2t, t2d = vocab_maps(torch.arange(cfg.draft_vocab_size), cfg.vocab_size)
+        _check_vocab_maps(d2t.long(), t2d.bool(), cfg)  # before d2t is used: a clear error for bad maps
         self.register_buffer("d2t", d2t.long().clone())
         self.register_buffer("t2d", t2d.bool().clone())
         self.register_buffer("draft_to_target", torch.arange(cfg.draft_vocab_size) + self.d2t, persistent=False)
@@ -181,7 +182,6 @@ class Eagle3DraftModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self._embedding_bound = False
-        _check_vocab_maps(self.d2t, self.t2d, cfg)
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -226,9 +226,10 @@ class Eagle3DraftModel(nn.Module):
             rope_parameters=dict(getattr(tc, "rope_parameters", None) or {"rope_type": "default"}),
             hidden_act=getattr(tc, "hidden_act", "silu"),
         )
-        if seed is not None:
-            torch.manual_seed(seed)
-        model = cls(cfg, *vocab_maps(ids, vocab))
+        with torch.random.fork_rng(devices=[]):  # seed the initialisation without touching the caller's RNG
+            if seed is not None:
+                torch.manual_seed(seed)
+            model = cls(cfg, *vocab_maps(ids, vocab))
         model.bind_target(target_model)
         return model.to(dtype=hf.dtype)
 

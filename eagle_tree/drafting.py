@@ -42,6 +42,11 @@ class TreeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TreeConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.sampled and self.top_k > self.total_tokens:
+            raise ValueError(
+                f"a sampled tree keeps every child it draws, so top_k ({self.top_k}) must be <= total_tokens "
+                f"({self.total_tokens})"
+            )
 
     @classmethod
     def chain(cls, length: int, sampled: bool = False) -> TreeConfig:

@@ -1,0 +1,9 @@
+"""Suite-wide settings: the tiny models here are bound by per-op overhead, so one torch thread is
+faster than two on the 2-core CI machines (and keeps timings steadier)."""
+
+import os
+
+import torch
+
+os.environ.setdefault("WANDB_SILENT", "true")
+torch.set_num_threads(1)
