@@ -5,11 +5,12 @@ from pathlib import Path
 import pytest
 
 from eagle_tree.commands.bench import BenchConfig
+from eagle_tree.commands.decode import DecodeConfig
 from eagle_tree.config import ConfigError, load_config
 from eagle_tree.training import TrainConfig
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
-SCHEMAS = {"bench-": BenchConfig, "train-": TrainConfig, "smoke": TrainConfig}
+SCHEMAS = {"bench-": BenchConfig, "decode-": DecodeConfig, "train-": TrainConfig, "smoke": TrainConfig}
 
 
 def schema_for(path: Path):
@@ -32,4 +33,4 @@ def test_config_loads(path):
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_config_rejects_unknown_key(path):
     with pytest.raises(ConfigError, match="did you mean"):
-        load_config(schema_for(path), path, ["output_dirr=x"])
+        load_config(schema_for(path), path, ["seedd=1"])
