@@ -200,19 +200,21 @@ class _TreeGrowth:
         k = min(self.cfg.top_k, logits.shape[-1])
         logp = torch.log_softmax(logits.float(), dim=-1)
         if self.sampling is None:
-            ids = torch.topk(logp, k).indices.tolist()
+            top = torch.topk(logp, k)
+            ids, child_logp = top.indices.tolist(), top.values.tolist()
         else:
             q = processed_probs(logits, self.sampling)
             self.q[node] = q
             gumbel = -torch.log(-torch.log(torch.rand(q.shape, generator=self.generator).clamp_min(1e-20)))
             keys = torch.where(q > 0, q.log() + gumbel.to(q.device), float("-inf"))
             k = min(k, int((q > 0).sum()))
-            ids = torch.topk(keys, k).indices.tolist()  # decreasing keys = the order they were drawn
+            drawn = torch.topk(keys, k).indices  # decreasing keys = the order they were drawn
+            ids, child_logp = drawn.tolist(), logp[drawn].tolist()
         made = []
-        for t in ids:
+        for t, lp in zip(ids, child_logp, strict=True):
             self.parent.append(node)
             self.token.append(t)
-            self.score.append(base + float(logp[t]))
+            self.score.append(base + lp)
             self.depth.append(1 if node == -1 else self.depth[node] + 1)
             made.append(len(self.token) - 1)
         return made
