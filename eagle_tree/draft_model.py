@@ -16,11 +16,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +30,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+from .atomic import atomic_dir
 from .target import default_feature_layers
 
 WEIGHTS_NAME = "model.safetensors"
@@ -287,24 +285,11 @@ class Eagle3DraftModel(nn.Module):
         """Write config.json and model.safetensors (EAGLE-3 keys) atomically into ``path``."""
         from safetensors.torch import save_file
 
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-        try:
+        with atomic_dir(path) as tmp:
             state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
             state.pop("embed_tokens.weight")
             save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
             (tmp / CONFIG_NAME).write_text(json.dumps(self.config.to_json_dict(), indent=2) + "\n")
-            if path.exists():
-                old = path.with_name(f".{path.name}.old")
-                shutil.rmtree(old, ignore_errors=True)
-                path.rename(old)
-                tmp.rename(path)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                tmp.rename(path)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, target=None, dtype: torch.dtype | None = None):

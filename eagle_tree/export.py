@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from .atomic import atomic_dir
 from .draft_model import (
     ARCHITECTURE,
     CONFIG_NAME,
@@ -430,22 +429,9 @@ def export_head(
 def _write_atomically(out: Path, config: dict, state: dict) -> Path:
     from safetensors.torch import save_file
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:
         save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-        tmp.chmod(0o755)  # mkdtemp makes it 0700
-        if out.exists():
-            old = out.with_name(f".{out.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
