@@ -732,8 +732,17 @@ class _Run:
 
     def checkpoint(self) -> None:
         progress = {**self.stream.position(), "tokens": self.tokens, "tokens_rank": self._tokens_per_rank()}
-        _save_checkpoint(self.acc, self.cfg, self.module, self.draft, self.optimizer, self.scheduler, progress,
-                         self.step)
+        ckpt = _save_checkpoint(self.acc, self.cfg, self.module, self.draft, self.optimizer, self.scheduler,
+                                progress, self.step)
+        if self.main:
+            self._log_head(ckpt, f"head-step-{self.step}")
+
+    def _log_head(self, head_dir: Path, name: str) -> None:
+        """A W&B model artifact for a saved head, with the run config and the latest measured acceptance."""
+        from .export import log_head_artifact
+
+        latest = self.evals[-1]["acceptance_length_tree"] if self.evals else None
+        log_head_artifact(self.logger, head_dir, name, self.cfg, latest)
 
     def run(self) -> TrainResult:
         from tqdm.auto import tqdm
@@ -789,6 +798,7 @@ class _Run:
             if self.evals:
                 self.logger.summary({f"eval/acceptance_length_{m}": self.evals[-1][f"acceptance_length_{m}"]
                                      for m in ("chain", "tree")})
+            self._log_head(final_dir, "head-final")
         run_dir = self.logger.run_dir
         self.logger.finish()
         self.acc.wait_for_everyone()

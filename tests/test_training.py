@@ -293,3 +293,13 @@ def test_stdlib_corpus_source_is_chunked_by_whole_lines(tmp_path, monkeypatch):
     (src / manifest.paths("train")[0]).write_text("changed\n")  # a changed file is refused (corpus rule)
     with pytest.raises(corpus.CorpusMismatchError):
         resolve_data(load_config(TrainConfig, None, [f"output_dir={tmp_path / 'out2'}", spec]))
+
+
+@pytest.mark.slow
+def test_every_saved_head_is_a_wandb_artifact_with_acceptance(trained):
+    _, summary, run = trained
+    arts = {a["name"]: a for a in run.artifacts if a["type"] == "model"}
+    assert {"head-step-75", "head-step-150", "head-final"} <= set(arts)
+    meta = arts["head-final"]["metadata"]
+    assert meta["acceptance_length"] == pytest.approx(summary["evals"][-1]["acceptance_length_tree"])
+    assert meta["config"]["optim"]["lr"] == 3e-3 and meta["layout"]
