@@ -34,8 +34,8 @@ class QuickstartConfig:
     """Training data: the reference corpus's train split (or any data.path the trainer accepts)."""
     prompts: str = "assets/reference/prompts/test.jsonl"
     """Held-out prompts to decode (.jsonl with a `prompt` field)."""
-    train_steps: int = 240
-    """Optimiser steps of head training (about 1 s each on 2 cores)."""
+    train_steps: int = 180
+    """Optimiser steps of head training (about 2 s each on 2 cores)."""
     train_overrides: list[str] = field(default_factory=list)
     """Extra dotted overrides for the training config, e.g. ["optim.lr=2e-3"]."""
     num_prompts: int = 8
