@@ -40,14 +40,6 @@ SHAPES = {"chain": TreeConfig.chain(length=4), "tree": TreeConfig(depth=4, top_k
 WIDTH = {"chain": 1, "tree": 3}  # siblings per level for the scripted drafter
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads; on a shared machine they lose a lot."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 # ------------------------------------------------------------------------------------------ models
 

@@ -43,14 +43,6 @@ PUBLIC_KEYS = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads; on a shared machine they lose a lot."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @functools.cache
 def _hf(**config):

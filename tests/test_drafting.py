@@ -32,14 +32,6 @@ GREEDY = SamplingConfig(temperature=0.0)
 T1 = SamplingConfig(temperature=1.0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads; on a shared machine they lose a lot."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @functools.cache
 def _target() -> TargetModel:

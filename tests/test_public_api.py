@@ -14,15 +14,6 @@ import eagle_tree as et
 from eagle_tree.tiny import tiny_causal_lm
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads; on a shared machine they lose a lot."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_sampling_config_and_processed_probs():
     s = et.SamplingConfig(temperature=0.7, top_k=50, top_p=0.9)
     logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(0))
