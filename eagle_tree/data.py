@@ -445,7 +445,7 @@ def token_frequencies(examples, vocab_size: int, chunk_tokens: int = 1 << 22) ->
             pending.clear()
             size = 0
 
-    for ids, mask in _iter_columns(examples):
+    for ids, mask in iter_token_columns(examples):
         masked = np.asarray(ids, dtype=np.int64)[np.asarray(mask, dtype=bool)]
         pending.append(masked)
         size += masked.size
@@ -455,7 +455,8 @@ def token_frequencies(examples, vocab_size: int, chunk_tokens: int = 1 << 22) ->
     return torch.from_numpy(counts)
 
 
-def _iter_columns(examples) -> Iterator[tuple[list[int], list[int]]]:
+def iter_token_columns(examples) -> Iterator[tuple[list[int], list[int]]]:
+    """(input_ids, loss_mask) of each example of a datasets.Dataset (read in batches) or a list of dicts."""
     if hasattr(examples, "iter") and hasattr(examples, "column_names"):  # datasets.Dataset
         for rows in examples.iter(batch_size=1024):
             yield from zip(rows["input_ids"], rows["loss_mask"], strict=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .drafting import Drafter, TreeConfig
+from .drafting import Drafter, Proposal, TreeConfig
 from .sampling import SamplingConfig, processed_probs
 from .target import TargetModel
 from .tree import Tree
@@ -170,7 +170,5 @@ class SpeculativeDecoder:
         return result
 
 
-def _empty_proposal(sampling: SamplingConfig):
-    from .drafting import Proposal
-
+def _empty_proposal(sampling: SamplingConfig) -> Proposal:
     return Proposal(Tree([], []), None, "greedy" if sampling.greedy else "deterministic")

@@ -46,6 +46,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .data import iter_token_columns
+
 FORMAT_VERSION = 1
 META_NAME = "meta.json"
 
@@ -131,19 +133,11 @@ def target_fingerprint(target) -> str:
     return h.hexdigest()
 
 
-def _iter_examples(examples):
-    if hasattr(examples, "iter") and hasattr(examples, "column_names"):  # datasets.Dataset
-        for rows in examples.iter(batch_size=1024):
-            yield from zip(rows["input_ids"], rows["loss_mask"], strict=True)
-    else:
-        for ex in examples:
-            yield ex["input_ids"], ex["loss_mask"]
-
 
 def dataset_fingerprint(examples) -> str:
     """Hash of every example's ``input_ids`` and ``loss_mask``, in order."""
     h = hashlib.sha256()
-    for ids, mask in _iter_examples(examples):
+    for ids, mask in iter_token_columns(examples):
         ids = np.asarray(ids, dtype=np.int64)
         h.update(np.int64(len(ids)).tobytes())
         h.update(ids.tobytes())
