@@ -99,6 +99,9 @@ class ModelSpec:
     """``max_position_embeddings`` written into the config."""
     tie_embeddings: bool = False
     """Share the input embedding and the output head."""
+    embed_std: float | None = None
+    """Standard deviation of the input embedding's initial values; ``None`` keeps the library
+    default (0.02, which stalls a deep model at the unigram loss: see docs/REFERENCE.md)."""
 
 
 def build_llama(spec: ModelSpec, tokenizer, seed: int = 0):
@@ -115,6 +118,12 @@ def build_llama(spec: ModelSpec, tokenizer, seed: int = 0):
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
+    if spec.embed_std is not None:
+        if spec.tie_embeddings:
+            raise ValueError("embed_std with tie_embeddings would rescale the output head too; untie them "
+                             "or leave embed_std at None")
+        with torch.no_grad():
+            model.get_input_embeddings().weight.normal_(0.0, spec.embed_std)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
 

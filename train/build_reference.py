@@ -43,6 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--target-layers", type=int, default=8)
     p.add_argument("--target-hidden", type=int, default=256)
     p.add_argument("--target-intermediate", type=int, default=704)
+    p.add_argument("--embed-std", type=float, default=1.0,
+                   help="std of the initial input embedding of both models (0 = library default, 0.02)")
     p.add_argument("--minutes-target", type=float, default=60.0)
     p.add_argument("--target-steps", type=int, default=None, help="overrides --minutes-target")
     p.add_argument("--assistant-layers", type=int, default=1)
@@ -159,9 +161,9 @@ def main(argv=None) -> None:
             "test": ref.pack(streams["test"], args.seq_len, keep_remainder=True)}
 
     target_spec = ref.ModelSpec(layers=args.target_layers, hidden=args.target_hidden,
-                                intermediate=args.target_intermediate)
+                                intermediate=args.target_intermediate, embed_std=args.embed_std or None)
     assistant_spec = ref.ModelSpec(layers=args.assistant_layers, hidden=args.assistant_hidden,
-                                   intermediate=args.assistant_intermediate)
+                                   intermediate=args.assistant_intermediate, embed_std=args.embed_std or None)
     records = [
         build_one("target", target_spec, args.minutes_target, args.target_steps, args, tok, rows,
                   files["test"], work, out),
