@@ -12,6 +12,7 @@ import sys
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("eagle_tree.commands.train", "train an EAGLE-3 draft head on a dataset"),
+    "regenerate": ("eagle_tree.commands.regenerate", "continue dataset rows with the target (training data)"),
     "decode": ("eagle_tree.commands.decode", "decode prompts with a draft head (tree, chain or plain)"),
     "bench": ("eagle_tree.commands.bench", "benchmark eagle-tree against baselines"),
     "quickstart": ("eagle_tree.commands.quickstart", "train a head on the reference target and compare"),

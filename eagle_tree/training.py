@@ -370,6 +370,9 @@ def resolve_data(cfg: TrainConfig) -> DataConfig:
         data.path = str(_toy_assets(cfg).train_file)
     elif isinstance(data.path, str) and data.path.startswith("stdlib:"):
         data.path = str(_stdlib_jsonl(data.path, Path(cfg.output_dir) / "data", chunk_chars=3 * data.max_length))
+    elif isinstance(data.path, list):  # a list may mix 'stdlib:' specs with local files
+        data.path = [str(_stdlib_jsonl(p, Path(cfg.output_dir) / "data", chunk_chars=3 * data.max_length))
+                     if isinstance(p, str) and p.startswith("stdlib:") else p for p in data.path]
     return data
 
 

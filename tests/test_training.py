@@ -290,6 +290,11 @@ def test_stdlib_corpus_source_is_chunked_by_whole_lines(tmp_path, monkeypatch):
     rows = [json.loads(line)["text"] for line in Path(data.path).read_text().splitlines()]
     assert all(r.endswith("\n") and len(r) < 300 + 40 for r in rows)
     assert "".join(rows) == "".join(texts[p] for p in manifest.paths("train"))
+    # in a list (e.g. beside regenerated data) the spec is resolved the same way, other entries kept
+    other = tmp_path / "regen.jsonl"
+    mixed = load_config(TrainConfig, None, [f"output_dir={tmp_path / 'out'}", f'data.path=["{spec[10:]}", "{other}"]',
+                                            "data.max_length=100"])
+    assert resolve_data(mixed).path == [data.path, str(other)]
     (src / manifest.paths("train")[0]).write_text("changed\n")  # a changed file is refused (corpus rule)
     with pytest.raises(corpus.CorpusMismatchError):
         resolve_data(load_config(TrainConfig, None, [f"output_dir={tmp_path / 'out2'}", spec]))

@@ -1,0 +1,28 @@
+"""``eagle-tree regenerate``: continue dataset rows with the target and write them as a jsonl dataset.
+
+    eagle-tree regenerate data=stdlib:assets/reference/manifest.json#train output=runs/regen/data.jsonl \\
+        "temperatures=[0.0, 1.0]" limit=4096
+
+Train a head on the result (alone, or beside the original data: ``data.path=[A, B]``). Rerunning the
+same command after an interruption resumes from the finished batches (see eagle_tree.regenerate).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ..config import parse_cli
+
+
+def main(argv: list[str]) -> int:
+    from ..regenerate import RegenerateConfig, regenerate
+
+    cfg = parse_cli(RegenerateConfig, argv, prog="eagle-tree regenerate")
+    try:
+        result = regenerate(cfg)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"eagle-tree regenerate: {exc}", file=sys.stderr)
+        return 2
+    print(f"[eagle-tree regenerate] {result['rows']} rows ({result['new_tokens_this_run']} new tokens this run, "
+          f"{result['resumed_batches']} batches resumed) -> {result['output']}")
+    return 0

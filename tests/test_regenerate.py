@@ -1,0 +1,113 @@
+"""`eagle-tree regenerate`: the target continues dataset rows; batches are seeded and resumable."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from eagle_tree.regenerate import RegenerateConfig, make_jobs, regenerate
+from eagle_tree.tiny import tiny_causal_lm
+from tests.test_data import make_tokenizer
+
+TEXTS = ["the quick brown fox jumps over the lazy dog " * 2, "Hello! How can I help?", "", "Tell me a joke",
+         "system user assistant", "Hi there", "No."]
+
+
+@pytest.fixture(scope="module")
+def model_and_tok():
+    tok = make_tokenizer("char")
+    model = tiny_causal_lm("llama", vocab_size=len(tok), hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                           intermediate_size=64, initializer_range=0.5, seed=0).eval()
+    return model, tok
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _read(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def test_text_rows_keep_the_prefix_and_add_the_continuation(tmp_path, model_and_tok):
+    model, tok = model_and_tok
+    data = _write(tmp_path / "in.jsonl", [{"text": t} for t in TEXTS])
+    cfg = RegenerateConfig(data=data, output=str(tmp_path / "out.jsonl"), prefix_tokens=6, max_new_tokens=5,
+                           temperatures=[0.0, 1.0], batch_size=2)
+    result = regenerate(cfg, model=model, tokenizer=tok, progress=False)
+    rows = _read(tmp_path / "out.jsonl")
+    assert result["rows"] == len(rows) == len(TEXTS) - 1  # the empty text has nothing to continue
+    assert not (tmp_path / "out.jsonl.partial").exists()
+    for row in rows:
+        source = TEXTS[row["source_index"]]
+        prefix = tok.decode(tok(source)["input_ids"][:6], skip_special_tokens=True)
+        assert row["text"].startswith(prefix) and 0 < row["generated_tokens"] <= 5
+        assert row["temperature"] == [0.0, 1.0][row["source_index"] % 2]
+    # greedy rows are the target's own greedy continuation of the prefix
+    greedy = next(r for r in rows if r["temperature"] == 0.0)
+    ids = torch.tensor([tok(TEXTS[greedy["source_index"]])["input_ids"][:6]])
+    expect = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id)[0, 6:]
+    assert greedy["text"] == tok.decode(ids[0], skip_special_tokens=True) + tok.decode(expect, skip_special_tokens=True)
+
+
+def test_interrupted_run_resumes_to_the_same_file(tmp_path, model_and_tok):
+    model, tok = model_and_tok
+    data = _write(tmp_path / "in.jsonl", [{"text": t} for t in TEXTS])
+    common = dict(data=data, prefix_tokens=4, max_new_tokens=6, temperatures=[1.0], batch_size=2, seed=3)
+    whole = RegenerateConfig(output=str(tmp_path / "whole.jsonl"), **common)
+    regenerate(whole, model=model, tokenizer=tok, progress=False)
+
+    cut = RegenerateConfig(output=str(tmp_path / "cut.jsonl"), **common)
+    regenerate(cut, model=model, tokenizer=tok, progress=False)
+    lines = (tmp_path / "cut.jsonl").read_text().splitlines(keepends=True)
+    # an interrupted run: the first batch finished, the second torn half-way through a line
+    partial = tmp_path / "cut.jsonl.partial"
+    partial.write_text(lines[0] + lines[1] + json.dumps({"_batch_done": 0}) + "\n" + lines[2][:10])
+    (tmp_path / "cut.jsonl").unlink()
+    result = regenerate(cut, model=model, tokenizer=tok, progress=False)
+    assert result["resumed_batches"] == 1
+    assert (tmp_path / "cut.jsonl").read_text() == (tmp_path / "whole.jsonl").read_text()
+
+
+def test_a_different_seed_samples_differently(tmp_path, model_and_tok):
+    """The negative control for the resume test: sampled rows depend on the seed."""
+    model, tok = model_and_tok
+    data = _write(tmp_path / "in.jsonl", [{"text": t} for t in TEXTS])
+    outs = []
+    for seed in (0, 1):
+        cfg = RegenerateConfig(data=data, output=str(tmp_path / f"s{seed}.jsonl"), prefix_tokens=4, max_new_tokens=8,
+                               temperatures=[1.0], batch_size=3, seed=seed)
+        regenerate(cfg, model=model, tokenizer=tok, progress=False)
+        outs.append((tmp_path / f"s{seed}.jsonl").read_text())
+    assert outs[0] != outs[1]
+
+
+def test_conversations_get_a_new_assistant_reply(tmp_path, model_and_tok):
+    model, tok = model_and_tok
+    rows = [{"messages": [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "old reply"}]},
+            {"messages": [{"role": "assistant", "content": "no prompt"}]}]
+    data = _write(tmp_path / "in.jsonl", rows)
+    cfg = RegenerateConfig(data=data, output=str(tmp_path / "out.jsonl"), max_new_tokens=4)
+    regenerate(cfg, model=model, tokenizer=tok, progress=False)
+    out = _read(tmp_path / "out.jsonl")
+    assert len(out) == 1  # a conversation without a user turn has nothing to answer
+    conv = out[0]["conversations"]
+    assert conv[0] == {"role": "user", "content": "Hi there"}
+    assert conv[1]["role"] == "assistant" and conv[1]["content"] != "old reply" and len(conv) == 2
+
+
+def test_rows_without_a_known_field_are_refused(model_and_tok):
+    _, tok = model_and_tok
+    with pytest.raises(ValueError, match="expected a text field"):
+        make_jobs([{"body": "x"}], tok, RegenerateConfig())
+    with pytest.raises(ValueError, match="temperatures"):
+        RegenerateConfig(temperatures=[])
+
+
+def test_conversations_need_a_chat_template(model_and_tok):
+    tok = make_tokenizer("char", template=None)
+    with pytest.raises(ValueError, match="chat_template"):
+        make_jobs([{"conversations": [{"role": "user", "content": "x"}]}], tok, RegenerateConfig())
