@@ -40,7 +40,9 @@ class RegenerateConfig:
     output: str = "runs/regenerated/data.jsonl"
     """jsonl file to write (one row per input row with something to continue)."""
     limit: int | None = None
-    """Continue only the first N rows."""
+    """Continue only the first N rows (after `every`)."""
+    every: int = 1
+    """Take every n-th row of the data (a spread-out subset of a large dataset)."""
     prefix_tokens: int = 64
     """Text rows: tokens kept as the prompt (special tokens included)."""
     max_new_tokens: int = 192
@@ -61,8 +63,8 @@ class RegenerateConfig:
     """'stdlib:' data: characters per chunk (whole lines), as in training with max_length 256."""
 
     def __post_init__(self) -> None:
-        if self.prefix_tokens < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
-            raise ValueError("prefix_tokens, max_new_tokens and batch_size must be >= 1")
+        if min(self.prefix_tokens, self.max_new_tokens, self.batch_size, self.every) < 1:
+            raise ValueError("prefix_tokens, max_new_tokens, batch_size and every must be >= 1")
         if not self.temperatures or any(t < 0 for t in self.temperatures):
             raise ValueError(f"temperatures must be a non-empty list of values >= 0, got {self.temperatures}")
 
@@ -71,14 +73,14 @@ class RegenerateConfig:
 class Job:
     """One row to continue: the prompt ids, how to sample, and how to write the result."""
 
-    index: int  # row index in the input
+    index: int  # index among the rows read (after `every` and `limit`)
     prompt_ids: list[int]
     temperature: float
     source: dict  # the input row (text rows: {"text": prefix}; conversations: {"conversations": messages})
     kind: str  # "text" or "conversations"
 
 
-def read_rows(data: str, limit: int | None = None, chunk_chars: int = 768) -> list[dict]:
+def read_rows(data: str, limit: int | None = None, chunk_chars: int = 768, every: int = 1) -> list[dict]:
     """Input rows as dicts (``datasets`` does the reading; 'stdlib:' specs are chunked first)."""
     import tempfile
 
@@ -89,6 +91,8 @@ def read_rows(data: str, limit: int | None = None, chunk_chars: int = 768) -> li
 
         data = str(_stdlib_jsonl(data, Path(tempfile.gettempdir()) / "eagle_tree_regenerate", chunk_chars))
     raw = _load_raw(data, "train", "document", None)
+    if every > 1:
+        raw = raw.select(range(0, len(raw), every))
     if limit is not None:
         raw = raw.select(range(min(limit, len(raw))))
     return [dict(r) for r in raw]
@@ -185,7 +189,7 @@ def regenerate(cfg: RegenerateConfig, model=None, tokenizer=None, progress: bool
     out = Path(cfg.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")
-    jobs = make_jobs(read_rows(cfg.data, cfg.limit, cfg.chunk_chars), tokenizer, cfg)
+    jobs = make_jobs(read_rows(cfg.data, cfg.limit, cfg.chunk_chars, cfg.every), tokenizer, cfg)
     # Batches hold rows of one temperature, in input order, so batch b is the same on every run.
     by_temperature: dict[float, list[Job]] = {}
     for job in jobs:

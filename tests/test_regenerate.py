@@ -72,6 +72,15 @@ def test_interrupted_run_resumes_to_the_same_file(tmp_path, model_and_tok):
     assert (tmp_path / "cut.jsonl").read_text() == (tmp_path / "whole.jsonl").read_text()
 
 
+def test_every_takes_a_spread_out_subset(tmp_path, model_and_tok):
+    model, tok = model_and_tok
+    data = _write(tmp_path / "in.jsonl", [{"text": t} for t in TEXTS])
+    cfg = RegenerateConfig(data=data, output=str(tmp_path / "out.jsonl"), every=3, max_new_tokens=2)
+    regenerate(cfg, model=model, tokenizer=tok, progress=False)
+    assert [r["source_index"] for r in _read(tmp_path / "out.jsonl")] == [0, 1, 2]  # input rows 0, 3, 6
+    assert _read(tmp_path / "out.jsonl")[1]["text"].startswith("Tell me")
+
+
 def test_a_different_seed_samples_differently(tmp_path, model_and_tok):
     """The negative control for the resume test: sampled rows depend on the seed."""
     model, tok = model_and_tok
