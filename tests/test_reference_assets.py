@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -32,6 +33,17 @@ def _tiny(seed: int = 0):
 def _rows(n: int = 12, seq_len: int = 16) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     return list(torch.randint(3, 64, (n, seq_len), generator=g))
+
+
+def test_embed_std_draws_only_the_input_embedding():
+    spec = ref.ModelSpec(layers=2, hidden=32, intermediate=64, heads=4, kv_heads=2, max_positions=64)
+    default = ref.build_llama(spec, _Ids(), seed=0)
+    wide = ref.build_llama(dataclasses.replace(spec, embed_std=1.0), _Ids(), seed=0)
+    assert default.get_input_embeddings().weight.std().item() == pytest.approx(0.02, rel=0.1)
+    assert wide.get_input_embeddings().weight.std().item() == pytest.approx(1.0, rel=0.1)
+    assert torch.equal(wide.lm_head.weight, default.lm_head.weight)  # everything else as before
+    with pytest.raises(ValueError, match="untie"):
+        ref.build_llama(dataclasses.replace(spec, embed_std=1.0, tie_embeddings=True), _Ids())
 
 
 def test_lr_schedule_warms_up_then_decays():
