@@ -22,7 +22,7 @@ def test_quickstart_writes_summary_plot_head_and_wandb(tmp_path, monkeypatch, ca
                  "tree.depth=4", "tree.top_k=3", "tree.total_tokens=9"])
     assert code == 0
     printed = capsys.readouterr().out
-    assert "| method | temperature |" in printed
+    assert "| method | shape | temperature |" in printed
     rows = json.loads((out / "summary.json").read_text())
     assert {(r["method"], r["temperature"]) for r in rows} == {(m, t) for m in ("plain", "chain", "tree")
                                                              for t in (0.0, 1.0)}
@@ -30,6 +30,10 @@ def test_quickstart_writes_summary_plot_head_and_wandb(tmp_path, monkeypatch, ca
         assert r["acceptance_length"] >= 1.0 and r["time_per_output_token_s"] > 0
         if r["temperature"] == 0.0:
             assert r["outputs_match_plain"] is True
+    shapes = {(r["method"], r["temperature"]): r["shape"] for r in rows}
+    assert shapes[("tree", 0.0)] == "tree-d4k3n9" and shapes[("chain", 0.0)] == "chain-4"
+    # at temperature 1 the drafts are sampled from the head (sampled_drafts, on by default)
+    assert shapes[("tree", 1.0)] == "tree-d3k2n10-sampled" and shapes[("chain", 1.0)] == "chain-4-sampled"
     greedy_tree = next(r for r in rows if r["method"] == "tree" and r["temperature"] == 0.0)
     assert greedy_tree["acceptance_length"] > 1.3  # the toy target is predictable: a trained head is accepted
     assert (out / "survival.png").stat().st_size > 1000

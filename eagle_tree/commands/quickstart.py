@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ..config import config_to_dict, parse_cli, save_config
 from ..drafting import TreeConfig
+from ..shapes import shape_name
 from ..tracking import WandbConfig
 
 
@@ -49,7 +50,14 @@ class QuickstartConfig:
     chain_length: int = 4
     """Draft tokens per round in chain mode."""
     tree: TreeConfig = field(default_factory=lambda: TreeConfig(depth=5, top_k=4, total_tokens=16))
-    """Dynamic-tree shape."""
+    """Dynamic-tree shape at temperature 0 (and at every temperature when sampled_drafts is false)."""
+    sampled_drafts: bool = True
+    """At temperature > 0, draw draft tokens from the head's distribution (Gumbel-top-k, verified without
+    replacement): accepted with about 1 - TV(p, q) instead of the target's probability of the head's
+    top token, which is far higher on a high-entropy target. The chain keeps chain_length."""
+    sampled_tree: TreeConfig = field(default_factory=lambda: TreeConfig(depth=3, top_k=2, total_tokens=10,
+                                                                        sampled=True))
+    """Tree shape at temperature > 0 with sampled_drafts (every drawn child is kept and verified)."""
     seed: int = 0
     """Seed of prompt i is seed + i, for every method."""
     threads: int = 2
@@ -104,18 +112,18 @@ def compare(cfg: QuickstartConfig, head_dir: Path):
     head_layers = json.loads((head_dir / "config.json").read_text()).get("feature_layers")
     target = TargetModel.from_pretrained(cfg.target, feature_layers=head_layers)
     head = Eagle3DraftModel.from_pretrained(head_dir, target=target)
-    decoders = {
-        "plain": SpeculativeDecoder(target),
-        "chain": SpeculativeDecoder(target, head, tree=TreeConfig.chain(cfg.chain_length)),
-        "tree": SpeculativeDecoder(target, head, tree=cfg.tree),
-    }
-    depths = {"plain": 0, "chain": cfg.chain_length, "tree": cfg.tree.depth}
     prompts = read_prompts(cfg.prompts)[: cfg.num_prompts]
     prompt_ids = [torch.tensor([tokenizer.encode(p)[-cfg.max_prompt_tokens :]]) for p in prompts]
-    decoders["plain"].generate(prompt_ids[0], 4)  # warm-up, not measured
+    SpeculativeDecoder(target).generate(prompt_ids[0], 4)  # warm-up, not measured
     rows, texts = [], {}
     for temperature in cfg.temperatures:
         sampling = SamplingConfig(temperature=temperature)
+        sampled = cfg.sampled_drafts and not sampling.greedy
+        shapes = {"chain": TreeConfig.chain(cfg.chain_length, sampled=sampled),
+                  "tree": cfg.sampled_tree if sampled else cfg.tree}
+        decoders = {"plain": SpeculativeDecoder(target)}
+        decoders |= {m: SpeculativeDecoder(target, head, tree=shape) for m, shape in shapes.items()}
+        depths = {"plain": 0} | {m: shape.depth for m, shape in shapes.items()}
         outs: dict[str, list] = {m: [] for m in decoders}
         for i, ids in enumerate(prompt_ids):
             order = list(decoders)[i % 3 :] + list(decoders)[: i % 3]  # rotate who goes first
@@ -124,6 +132,7 @@ def compare(cfg: QuickstartConfig, head_dir: Path):
         plain_tpot = None
         for method, method_outs in outs.items():
             s = summarize(method, temperature, method_outs, depth=depths[method]).to_dict()
+            s["shape"] = "no draft" if method == "plain" else shape_name(shapes[method])
             plain_tpot = s["time_per_output_token_s"] if method == "plain" else plain_tpot
             s["speedup"] = plain_tpot / s["time_per_output_token_s"]
             if temperature == 0.0:
@@ -137,13 +146,13 @@ def compare(cfg: QuickstartConfig, head_dir: Path):
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| method | temperature | acceptance length | ms / output token | speed-up "
+        "| method | shape | temperature | acceptance length | ms / output token | speed-up "
         "| draft / verify / other ms per round |",
-        "|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['method']} | {r['temperature']:g} | {r['acceptance_length']:.2f} | "
+            f"| {r['method']} | {r.get('shape', '')} | {r['temperature']:g} | {r['acceptance_length']:.2f} | "
             f"{1000 * r['time_per_output_token_s']:.2f} | {r['speedup']:.2f}x | "
             f"{1000 * r['draft_s_per_round']:.1f} / {1000 * r['verify_s_per_round']:.1f} / "
             f"{1000 * r['other_s_per_round']:.1f} |"
@@ -162,7 +171,8 @@ def survival_plot(rows: list[dict], path: Path) -> Path:
         if r["survival"]:
             xs = list(range(1, len(r["survival"]) + 1))
             style = "-" if r["temperature"] == 0 else "--"
-            ax.plot(xs, r["survival"], style, marker="o", label=f"{r['method']}, T={r['temperature']:g}")
+            label = f"{r.get('shape', r['method'])}, T={r['temperature']:g}"
+            ax.plot(xs, r["survival"], style, marker="o", label=label)
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
