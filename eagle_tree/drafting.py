@@ -210,6 +210,18 @@ class _TreeGrowth:
             k = min(k, int((q > 0).sum()))
             drawn = torch.topk(keys, k).indices  # decreasing keys = the order they were drawn
             ids, child_logp = drawn.tolist(), logp[drawn].tolist()
+        return self._add(node, ids, child_logp, base)
+
+    def top_children(self, nodes: list[int], logits: torch.Tensor) -> list[int]:
+        """Deterministic children of several nodes at once from their draft logits (F, Vd)."""
+        k = min(self.cfg.top_k, logits.shape[-1])
+        top = torch.topk(torch.log_softmax(logits.float(), dim=-1), k, dim=-1)
+        made = []
+        for node, ids, child_logp in zip(nodes, top.indices.tolist(), top.values.tolist(), strict=True):
+            made += self._add(node, ids, child_logp, self.score[node])
+        return made
+
+    def _add(self, node: int, ids: list[int], child_logp: list[float], base: float) -> list[int]:
         made = []
         for t, lp in zip(ids, child_logp, strict=True):
             self.parent.append(node)
@@ -235,10 +247,13 @@ class _TreeGrowth:
             positions = torch.full((1, len(frontier)), base_pos + depth, dtype=torch.long)
             visible = self._visible(frontier)
             out, logits = d._forward(hidden, ids.to(hidden.device), positions.to(hidden.device), visible)
-            level = []
             for j, node in enumerate(frontier):
                 out_hidden[node] = out[0, j]
-                level += self.children(node, logits[0, j], self.score[node])
+            if self.sampling is None:
+                level = self.top_children(frontier, logits[0])
+            else:  # one node at a time: each draws from the generator in turn
+                level = [c for j, node in enumerate(frontier)
+                         for c in self.children(node, logits[0, j], self.score[node])]
         keep = self._select()
         index = {node: i for i, node in enumerate(keep)}
         parents = [-1 if self.parent[n] == -1 else index[self.parent[n]] for n in keep]
