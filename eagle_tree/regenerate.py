@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -196,7 +196,8 @@ def regenerate(cfg: RegenerateConfig, model=None, tokenizer=None, progress: bool
         by_temperature.setdefault(job.temperature, []).append(job)
     batches = [b for t in cfg.temperatures if t in by_temperature
                for b in _batches(by_temperature.pop(t), cfg.batch_size)]
-    done = _completed_batches(partial)
+    fingerprint = _fingerprint(cfg, batches)
+    done = _completed_batches(partial, fingerprint)
     bar = tqdm(total=len(jobs), initial=sum(len(b) for b in batches[:done]), desc="regenerate", unit="row",
                disable=not progress, dynamic_ncols=True, mininterval=2.0)
     new_tokens = 0
@@ -206,7 +207,8 @@ def regenerate(cfg: RegenerateConfig, model=None, tokenizer=None, progress: bool
             generated = generate_batch(model, tokenizer, batch, cfg.max_new_tokens, batch[0].temperature, cfg.top_p,
                                        cfg.seed + b)
             lines = [json.dumps(output_row(j, g, tokenizer)) for j, g in zip(batch, generated, strict=True)]
-            f.write("".join(line + "\n" for line in lines) + json.dumps({"_batch_done": b}) + "\n")
+            lines.append(json.dumps({"_batch_done": b, "fingerprint": fingerprint}))
+            f.write("".join(line + "\n" for line in lines))
             f.flush()
             os.fsync(f.fileno())
             new_tokens += sum(len(g) for g in generated)
@@ -221,12 +223,31 @@ def regenerate(cfg: RegenerateConfig, model=None, tokenizer=None, progress: bool
             "output": str(out)}
 
 
-def _completed_batches(partial: Path) -> int:
-    """Batches fully written to ``partial`` by an earlier run; a torn tail after the last marker is cut."""
+def _fingerprint(cfg: RegenerateConfig, batches: Sequence[Sequence[Job]]) -> str:
+    """What the rows depend on: the settings and every batch's prompts (not the output path or threads)."""
+    import hashlib
+
+    settings = {k: v for k, v in asdict(cfg).items() if k not in ("output", "threads")}
+    h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+    for batch in batches:
+        h.update(json.dumps([[j.index, j.temperature, j.prompt_ids] for j in batch]).encode())
+    return h.hexdigest()[:16]
+
+
+def _completed_batches(partial: Path, fingerprint: str) -> int:
+    """Batches fully written to ``partial`` by an earlier run of the same job; a torn tail after the
+    last marker is cut. A partial file of other settings or data is refused, not mixed in."""
     if not partial.is_file():
         return 0
     lines = partial.read_text().splitlines(keepends=True)
     last = max((i for i, line in enumerate(lines) if line.startswith('{"_batch_done"')), default=-1)
+    if last < 0:
+        partial.write_text("")
+        return 0
+    marker = json.loads(lines[last])
+    if marker.get("fingerprint") != fingerprint:
+        raise ValueError(f"{partial} holds rows of an interrupted run with other settings or data; rerun with "
+                         f"those settings to resume it, or delete the file to start again")
     if last + 1 != len(lines):
         partial.write_text("".join(lines[: last + 1]))
-    return 0 if last < 0 else json.loads(lines[last])["_batch_done"] + 1
+    return marker["_batch_done"] + 1

@@ -53,6 +53,26 @@ def test_text_rows_keep_the_prefix_and_add_the_continuation(tmp_path, model_and_
     assert greedy["text"] == tok.decode(ids[0], skip_special_tokens=True) + tok.decode(expect, skip_special_tokens=True)
 
 
+class _Killed(Exception):
+    pass
+
+
+class _DiesAfter:
+    """The target, killed when it starts batch ``n + 1``."""
+
+    def __init__(self, model, n: int):
+        self.model, self.left = model, n
+
+    def get_input_embeddings(self):
+        return self.model.get_input_embeddings()
+
+    def generate(self, **kwargs):
+        if self.left == 0:
+            raise _Killed
+        self.left -= 1
+        return self.model.generate(**kwargs)
+
+
 def test_interrupted_run_resumes_to_the_same_file(tmp_path, model_and_tok):
     model, tok = model_and_tok
     data = _write(tmp_path / "in.jsonl", [{"text": t} for t in TEXTS])
@@ -61,12 +81,15 @@ def test_interrupted_run_resumes_to_the_same_file(tmp_path, model_and_tok):
     regenerate(whole, model=model, tokenizer=tok, progress=False)
 
     cut = RegenerateConfig(output=str(tmp_path / "cut.jsonl"), **common)
-    regenerate(cut, model=model, tokenizer=tok, progress=False)
-    lines = (tmp_path / "cut.jsonl").read_text().splitlines(keepends=True)
-    # an interrupted run: the first batch finished, the second torn half-way through a line
+    with pytest.raises(_Killed):
+        regenerate(cut, model=_DiesAfter(model, 1), tokenizer=tok, progress=False)
     partial = tmp_path / "cut.jsonl.partial"
-    partial.write_text(lines[0] + lines[1] + json.dumps({"_batch_done": 0}) + "\n" + lines[2][:10])
-    (tmp_path / "cut.jsonl").unlink()
+    assert not (tmp_path / "cut.jsonl").exists() and partial.is_file()
+    with open(partial, "a") as f:
+        f.write('{"text": "a row torn by the ki')  # killed half-way through writing the next batch
+    other = RegenerateConfig(output=str(tmp_path / "cut.jsonl"), **(common | {"seed": 4}))
+    with pytest.raises(ValueError, match="other settings"):  # never mixed with rows of other settings
+        regenerate(other, model=model, tokenizer=tok, progress=False)
     result = regenerate(cut, model=model, tokenizer=tok, progress=False)
     assert result["resumed_batches"] == 1
     assert (tmp_path / "cut.jsonl").read_text() == (tmp_path / "whole.jsonl").read_text()
