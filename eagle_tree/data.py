@@ -230,7 +230,16 @@ def _load_raw(source, split: str, text_sample_by: str, cache_dir: str | None):
         raise ValueError(f"data files mix formats {sorted(builders)}; give files of one format")
     builder = builders.pop()
     kwargs = {"sample_by": text_sample_by} if builder == "text" else {}
-    return datasets.load_dataset(builder, data_files=files, split=split, cache_dir=cache_dir, **kwargs)
+    if len(files) == 1 or builder == "text":
+        return datasets.load_dataset(builder, data_files=files, split=split, cache_dir=cache_dir, **kwargs)
+    # Several files may carry different extra columns (e.g. corpus text beside regenerated rows with
+    # metadata): read each, keep the columns they share, in order.
+    parts = [datasets.load_dataset(builder, data_files=[f], split=split, cache_dir=cache_dir) for f in files]
+    shared = [c for c in parts[0].column_names if all(c in p.column_names for p in parts[1:])]
+    if not shared:
+        raise ValueError(f"the data files share no column: {[p.column_names for p in parts]}")
+    parts = [p.select_columns(shared) for p in parts]
+    return datasets.concatenate_datasets([p.cast(parts[0].features) for p in parts])
 
 
 def _find_column(found: list[str], text_field: str | None, conversations_field: str | None, source) -> tuple[str, str]:

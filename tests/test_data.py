@@ -257,6 +257,18 @@ def test_parquet_and_json_files(tmp_path):
     assert len(ds) == 1
 
 
+def test_files_with_different_extra_columns_are_read_together(tmp_path):
+    """Corpus text beside regenerated rows that carry metadata: the shared columns are kept, in order."""
+    tok = make_tokenizer("char")
+    a = write_jsonl(tmp_path / "a.jsonl", [{"text": "ab"}, {"text": "cd"}])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"text": "xyz", "source_index": 0, "temperature": 1.0}])
+    ds = load_examples([str(a), str(b)], tok, cache_dir=str(tmp_path / "cache"))
+    assert [decode(tok, r["input_ids"][1:]) for r in ds] == ["ab", "cd", "xyz"]
+    c = write_jsonl(tmp_path / "c.jsonl", [{"body": "q"}])
+    with pytest.raises(ValueError, match="share no column"):
+        load_examples([str(a), str(c)], tok, cache_dir=str(tmp_path / "cache"))
+
+
 def test_missing_fields_error_names_them(tmp_path):
     tok = make_tokenizer("char")
     path = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "p", "answer": "a"}])
