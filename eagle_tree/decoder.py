@@ -59,7 +59,8 @@ class GenerateOutput:
 
     @property
     def acceptance_lengths(self) -> list[int]:
-        """Tokens committed per speculative round (accepted draft tokens + correction or bonus)."""
+        """Tokens committed per speculative round (accepted draft tokens + correction or bonus). They
+        sum to ``new_tokens - 1``: the first new token comes from the prefill and belongs to no round."""
         return [r.committed for r in self.rounds]
 
     @property
