@@ -195,31 +195,29 @@ class _TreeGrowth:
         self.q: dict[int, torch.Tensor] = {}  # creation index (-1 = root) -> q over the draft vocab
         self.slot: dict[int, int] = {}  # creation index -> position of its entry in the draft cache
 
-    def children(self, node: int, logits: torch.Tensor, base: float) -> list[int]:
-        """Create the children of ``node`` from its draft logits (Vd,); return their indices."""
+    def expand(self, nodes: list[int], logits: torch.Tensor) -> list[int]:
+        """Create the children of ``nodes`` (-1 = the root) from their draft logits (F, Vd); return
+        their creation indices. Deterministic trees take every node's top-k in one call; sampled
+        trees draw node by node, so the generator is consumed in node order."""
         k = min(self.cfg.top_k, logits.shape[-1])
         logp = torch.log_softmax(logits.float(), dim=-1)
+        bases = [0.0 if node == -1 else self.score[node] for node in nodes]
         if self.sampling is None:
-            top = torch.topk(logp, k)
-            ids, child_logp = top.indices.tolist(), top.values.tolist()
+            top = torch.topk(logp, k, dim=-1)
+            rows = zip(top.indices.tolist(), top.values.tolist(), strict=True)
         else:
-            q = processed_probs(logits, self.sampling)
-            self.q[node] = q
-            gumbel = -torch.log(-torch.log(torch.rand(q.shape, generator=self.generator).clamp_min(1e-20)))
-            keys = torch.where(q > 0, q.log() + gumbel.to(q.device), float("-inf"))
-            k = min(k, int((q > 0).sum()))
-            drawn = torch.topk(keys, k).indices  # decreasing keys = the order they were drawn
-            ids, child_logp = drawn.tolist(), logp[drawn].tolist()
-        return self._add(node, ids, child_logp, base)
+            rows = (self._draw(node, logits[j], logp[j], k) for j, node in enumerate(nodes))
+        return [c for node, base, (ids, child_logp) in zip(nodes, bases, rows, strict=True)
+                for c in self._add(node, ids, child_logp, base)]
 
-    def top_children(self, nodes: list[int], logits: torch.Tensor) -> list[int]:
-        """Deterministic children of several nodes at once from their draft logits (F, Vd)."""
-        k = min(self.cfg.top_k, logits.shape[-1])
-        top = torch.topk(torch.log_softmax(logits.float(), dim=-1), k, dim=-1)
-        made = []
-        for node, ids, child_logp in zip(nodes, top.indices.tolist(), top.values.tolist(), strict=True):
-            made += self._add(node, ids, child_logp, self.score[node])
-        return made
+    def _draw(self, node: int, logits: torch.Tensor, logp: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
+        """Gumbel-top-k: up to ``k`` children drawn without replacement from the processed q of ``node``."""
+        q = processed_probs(logits, self.sampling)
+        self.q[node] = q
+        gumbel = -torch.log(-torch.log(torch.rand(q.shape, generator=self.generator).clamp_min(1e-20)))
+        keys = torch.where(q > 0, q.log() + gumbel.to(q.device), float("-inf"))
+        drawn = torch.topk(keys, min(k, int((q > 0).sum()))).indices  # decreasing keys = the order drawn
+        return drawn.tolist(), logp[drawn].tolist()
 
     def _add(self, node: int, ids: list[int], child_logp: list[float], base: float) -> list[int]:
         made = []
@@ -233,7 +231,7 @@ class _TreeGrowth:
 
     def run(self):
         cfg, d = self.cfg, self.d
-        level = self.children(-1, d.last_logits, 0.0)
+        level = self.expand([-1], d.last_logits[None])
         base_pos = d.cache.length - 1  # position of the last committed pair
         out_hidden: dict[int, torch.Tensor] = {-1: d.last_hidden[0, 0]}
         n_limit = cfg.total_tokens
@@ -249,11 +247,7 @@ class _TreeGrowth:
             out, logits = d._forward(hidden, ids.to(hidden.device), positions.to(hidden.device), visible)
             for j, node in enumerate(frontier):
                 out_hidden[node] = out[0, j]
-            if self.sampling is None:
-                level = self.top_children(frontier, logits[0])
-            else:  # one node at a time: each draws from the generator in turn
-                level = [c for j, node in enumerate(frontier)
-                         for c in self.children(node, logits[0, j], self.score[node])]
+            level = self.expand(frontier, logits[0])
         keep = self._select()
         index = {node: i for i, node in enumerate(keep)}
         parents = [-1 if self.parent[n] == -1 else index[self.parent[n]] for n in keep]

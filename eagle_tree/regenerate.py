@@ -27,6 +27,8 @@ import torch
 
 from .data import CONVERSATION_FIELDS, TEXT_FIELDS, normalize_messages
 
+MARKER = "_batch_done"  # key of the line that ends each finished batch in OUTPUT.partial
+
 
 @dataclass
 class RegenerateConfig:
@@ -120,7 +122,7 @@ def make_jobs(rows: Sequence[dict], tokenizer, cfg: RegenerateConfig) -> list[Jo
                 continue
             messages = messages[: last_user + 1]
             ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-            ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in some versions
             jobs.append(Job(i, ids, temperature, {"conversations": messages}, "conversations"))
         else:
             ids = tokenizer(row[text] or "")["input_ids"][: cfg.prefix_tokens]
@@ -191,11 +193,8 @@ def regenerate(cfg: RegenerateConfig, model=None, tokenizer=None, progress: bool
     partial = out.with_name(out.name + ".partial")
     jobs = make_jobs(read_rows(cfg.data, cfg.limit, cfg.chunk_chars, cfg.every), tokenizer, cfg)
     # Batches hold rows of one temperature, in input order, so batch b is the same on every run.
-    by_temperature: dict[float, list[Job]] = {}
-    for job in jobs:
-        by_temperature.setdefault(job.temperature, []).append(job)
-    batches = [b for t in cfg.temperatures if t in by_temperature
-               for b in _batches(by_temperature.pop(t), cfg.batch_size)]
+    batches = [b for t in dict.fromkeys(cfg.temperatures)
+               for b in _batches([j for j in jobs if j.temperature == t], cfg.batch_size)]
     fingerprint = _fingerprint(cfg, batches)
     done = _completed_batches(partial, fingerprint)
     bar = tqdm(total=len(jobs), initial=sum(len(b) for b in batches[:done]), desc="regenerate", unit="row",
@@ -207,14 +206,14 @@ def regenerate(cfg: RegenerateConfig, model=None, tokenizer=None, progress: bool
             generated = generate_batch(model, tokenizer, batch, cfg.max_new_tokens, batch[0].temperature, cfg.top_p,
                                        cfg.seed + b)
             lines = [json.dumps(output_row(j, g, tokenizer)) for j, g in zip(batch, generated, strict=True)]
-            lines.append(json.dumps({"_batch_done": b, "fingerprint": fingerprint}))
+            lines.append(json.dumps({MARKER: b, "fingerprint": fingerprint}))
             f.write("".join(line + "\n" for line in lines))
             f.flush()
             os.fsync(f.fileno())
             new_tokens += sum(len(g) for g in generated)
             bar.update(len(batch))
     bar.close()
-    rows = [line for line in partial.read_text().splitlines() if line and not line.startswith('{"_batch_done"')]
+    rows = [line for line in partial.read_text().splitlines() if line and MARKER not in json.loads(line)]
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.write_text("".join(r + "\n" for r in rows))
     os.replace(tmp, out)
@@ -240,7 +239,7 @@ def _completed_batches(partial: Path, fingerprint: str) -> int:
     if not partial.is_file():
         return 0
     lines = partial.read_text().splitlines(keepends=True)
-    last = max((i for i, line in enumerate(lines) if line.startswith('{"_batch_done"')), default=-1)
+    last = max((i for i, line in enumerate(lines) if line.startswith(f'{{"{MARKER}"')), default=-1)
     if last < 0:
         partial.write_text("")
         return 0
@@ -250,4 +249,4 @@ def _completed_batches(partial: Path, fingerprint: str) -> int:
                          f"those settings to resume it, or delete the file to start again")
     if last + 1 != len(lines):
         partial.write_text("".join(lines[: last + 1]))
-    return marker["_batch_done"] + 1
+    return marker[MARKER] + 1

@@ -152,7 +152,7 @@ def table(rows: list[dict]) -> str:
     ]
     for r in rows:
         lines.append(
-            f"| {r['method']} | {r.get('shape', '')} | {r['temperature']:g} | {r['acceptance_length']:.2f} | "
+            f"| {r['method']} | {r['shape']} | {r['temperature']:g} | {r['acceptance_length']:.2f} | "
             f"{1000 * r['time_per_output_token_s']:.2f} | {r['speedup']:.2f}x | "
             f"{1000 * r['draft_s_per_round']:.1f} / {1000 * r['verify_s_per_round']:.1f} / "
             f"{1000 * r['other_s_per_round']:.1f} |"
@@ -171,8 +171,7 @@ def survival_plot(rows: list[dict], path: Path) -> Path:
         if r["survival"]:
             xs = list(range(1, len(r["survival"]) + 1))
             style = "-" if r["temperature"] == 0 else "--"
-            label = f"{r.get('shape', r['method'])}, T={r['temperature']:g}"
-            ax.plot(xs, r["survival"], style, marker="o", label=label)
+            ax.plot(xs, r["survival"], style, marker="o", label=f"{r['shape']}, T={r['temperature']:g}")
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
