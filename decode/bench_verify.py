@@ -20,7 +20,7 @@ import time
 import torch
 
 from eagle_tree import SamplingConfig, processed_probs, verify_tree
-from eagle_tree.verify import PROPOSALS
+from eagle_tree.core.verify import PROPOSALS
 
 BRANCHING = (4, 3, 2, 2, 1, 1)  # children per node at depth 0..5
 N_NODES = 64

@@ -4,7 +4,7 @@ Usage: python decode/time_split.py [--family llama] [--layers 8] [--hidden 256] 
        [--prompts 3] [--prompt-length 24] [--new-tokens 48] [--repeats 2] [--chain 4]
        [--depth 4] [--top-k 4] [--total-tokens 16] [--temperature 0.0] [--threads 1] [--seed 0]
 
-Builds a randomly initialised target with eagle_tree.tiny and an untrained EAGLE-3 head
+Builds a randomly initialised target with eagle_tree.reference.tiny and an untrained EAGLE-3 head
 (Eagle3DraftModel.from_target), decodes the same random prompts with each method (interleaved,
 after one warm-up call each) and prints, per method: milliseconds per round spent drafting (with
 the draft cache catch-up), verifying (the target's tree-masked forward) and in the rest (sampling,
@@ -23,12 +23,12 @@ import platform
 import torch
 
 from eagle_tree import SamplingConfig
-from eagle_tree.decoder import SpeculativeDecoder
-from eagle_tree.draft_model import Eagle3DraftModel
-from eagle_tree.drafting import TreeConfig
-from eagle_tree.metrics import summarize
-from eagle_tree.target import TargetModel
-from eagle_tree.tiny import FAMILIES, tiny_causal_lm
+from eagle_tree.decoding.decoder import SpeculativeDecoder
+from eagle_tree.decoding.drafting import TreeConfig
+from eagle_tree.decoding.metrics import summarize
+from eagle_tree.models.head import Eagle3DraftModel
+from eagle_tree.models.target import TargetModel
+from eagle_tree.reference.tiny import FAMILIES, tiny_causal_lm
 
 
 def parse_args(argv=None) -> argparse.Namespace:

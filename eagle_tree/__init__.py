@@ -9,21 +9,21 @@ from __future__ import annotations
 
 import importlib
 
-from .sampling import SamplingConfig, processed_probs
-from .tree import Tree
-from .verify import VerifyResult, verify_tree
+from eagle_tree.core.sampling import SamplingConfig, processed_probs
+from eagle_tree.core.tree import Tree
+from eagle_tree.core.verify import VerifyResult, verify_tree
 
 __version__ = "0.1.0"
 
 # public name -> module that defines it (imported lazily)
 _LAZY = {
-    "TargetModel": "target",
-    "Eagle3DraftModel": "draft_model",
-    "Eagle3Config": "draft_model",
-    "TreeConfig": "drafting",
-    "SpeculativeDecoder": "decoder",
-    "GenerateOutput": "decoder",
-    "RoundStats": "decoder",
+    "TargetModel": "models.target",
+    "Eagle3DraftModel": "models.head",
+    "Eagle3Config": "models.head",
+    "TreeConfig": "decoding.drafting",
+    "SpeculativeDecoder": "decoding.decoder",
+    "GenerateOutput": "decoding.decoder",
+    "RoundStats": "decoding.decoder",
 }
 
 __all__ = [

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle_tree.bench import (
+from eagle_tree.bench.runner import (
     PLAIN,
     BenchModels,
     Method,
@@ -21,11 +21,11 @@ from eagle_tree.bench import (
 )
 from eagle_tree.commands.bench import BenchConfig, build_tiny_assets, main
 from eagle_tree.commands.decode import DecodeConfig, load_models
-from eagle_tree.config import load_config
-from eagle_tree.decoder import GenerateOutput, RoundStats
-from eagle_tree.drafting import TreeConfig
-from eagle_tree.sampling import SamplingConfig
-from eagle_tree.shapes import load_tuned_shape
+from eagle_tree.core.sampling import SamplingConfig
+from eagle_tree.decoding.decoder import GenerateOutput, RoundStats
+from eagle_tree.decoding.drafting import TreeConfig
+from eagle_tree.decoding.shapes import load_tuned_shape
+from eagle_tree.utils.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "bench-smoke.yaml"
@@ -143,7 +143,7 @@ def _models(assets, assistant_dir):
 
 
 def test_hf_rounds_are_counted_per_target_forward(assets, tmp_path):
-    from eagle_tree.tiny import tiny_causal_lm
+    from eagle_tree.reference.tiny import tiny_causal_lm
 
     models = _models(assets, assets["assistant"])
     ids = torch.tensor([models.tokenizer.encode("def main():\n    x =")])

@@ -7,7 +7,7 @@ from typing import Literal
 import pytest
 import yaml
 
-from eagle_tree.config import ConfigError, config_to_dict, load_config, parse_cli, save_config
+from eagle_tree.utils.config import ConfigError, config_to_dict, load_config, parse_cli, save_config
 
 
 @dataclass

@@ -6,8 +6,8 @@ import pytest
 
 from eagle_tree.commands.bench import BenchConfig
 from eagle_tree.commands.decode import DecodeConfig
-from eagle_tree.config import ConfigError, load_config
-from eagle_tree.training import TrainConfig
+from eagle_tree.training.loop import TrainConfig
+from eagle_tree.utils.config import ConfigError, load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 SCHEMAS = {"bench-": BenchConfig, "decode-": DecodeConfig, "train-": TrainConfig, "smoke": TrainConfig}

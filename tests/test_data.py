@@ -15,7 +15,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from eagle_tree.data import (
+from eagle_tree.models.head import vocab_maps
+from eagle_tree.training.data import (
     DataConfig,
     _mask_from_spans,
     batches,
@@ -29,7 +30,6 @@ from eagle_tree.data import (
     normalize_messages,
     token_frequencies,
 )
-from eagle_tree.draft_model import vocab_maps
 
 SPECIALS = ["<pad>", "<|begin_of_text|>", "<|im_start|>", "<|im_end|>",
             "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -300,7 +300,7 @@ def test_truncate_and_drop(tmp_path):
 
 
 def test_data_config_loads(tmp_path):
-    from eagle_tree.config import load_config
+    from eagle_tree.utils.config import load_config
 
     path = write_jsonl(tmp_path / "c.jsonl", [{"text": "abc"}, {"text": "abcdefgh"}])
     cfg = load_config(DataConfig, None, [f"path={path}", "max_length=4", "too_long=drop",

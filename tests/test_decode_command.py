@@ -7,8 +7,8 @@ import torch
 
 import eagle_tree as et
 from eagle_tree.commands.decode import main, read_prompts
-from eagle_tree.tiny import char_tokenizer, tiny_causal_lm
-from eagle_tree.wandb_records import read_run
+from eagle_tree.reference.tiny import char_tokenizer, tiny_causal_lm
+from eagle_tree.utils.wandb_records import read_run
 
 
 @pytest.fixture(scope="module")

@@ -23,15 +23,15 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-import eagle_tree.decoder as decoder_module
+import eagle_tree.decoding.decoder as decoder_module
 from eagle_tree import SamplingConfig, VerifyResult, processed_probs
-from eagle_tree.decoder import SpeculativeDecoder
-from eagle_tree.draft_model import Eagle3DraftModel
-from eagle_tree.drafting import Proposal, TreeConfig
-from eagle_tree.sampling import greedy_token
-from eagle_tree.target import TargetModel
-from eagle_tree.tiny import FAMILIES, tiny_causal_lm
-from eagle_tree.tree import Tree
+from eagle_tree.core.sampling import greedy_token
+from eagle_tree.core.tree import Tree
+from eagle_tree.decoding.decoder import SpeculativeDecoder
+from eagle_tree.decoding.drafting import Proposal, TreeConfig
+from eagle_tree.models.head import Eagle3DraftModel
+from eagle_tree.models.target import TargetModel
+from eagle_tree.reference.tiny import FAMILIES, tiny_causal_lm
 
 GREEDY = SamplingConfig(temperature=0.0)
 PROMPT = [5, 17, 99, 3, 42, 8]

@@ -16,11 +16,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle_tree import SamplingConfig
-from eagle_tree.decoder import SpeculativeDecoder
-from eagle_tree.draft_model import Eagle3Config, Eagle3DraftModel, vocab_maps
-from eagle_tree.drafting import Drafter, TreeConfig
-from eagle_tree.target import TargetModel, default_feature_layers
-from eagle_tree.tiny import tiny_causal_lm
+from eagle_tree.decoding.decoder import SpeculativeDecoder
+from eagle_tree.decoding.drafting import Drafter, TreeConfig
+from eagle_tree.models.head import Eagle3Config, Eagle3DraftModel, vocab_maps
+from eagle_tree.models.target import TargetModel, default_feature_layers
+from eagle_tree.reference.tiny import tiny_causal_lm
 
 PROMPT = [4, 90, 17, 3, 66, 21, 8]
 DRAFT_VOCAB = [100, 3, 7, 7, 64, 8, 21, 90, 5, 0, 127, 44, 17, 66, 12, 30]  # unsorted, one duplicate

@@ -19,10 +19,10 @@ import torch
 from scipy.stats import chi2
 
 from eagle_tree import SamplingConfig, processed_probs
-from eagle_tree.draft_model import Eagle3DraftModel
-from eagle_tree.drafting import DraftCache, Drafter, Proposal, TreeConfig
-from eagle_tree.target import TargetModel
-from eagle_tree.tiny import tiny_causal_lm
+from eagle_tree.decoding.drafting import DraftCache, Drafter, Proposal, TreeConfig
+from eagle_tree.models.head import Eagle3DraftModel
+from eagle_tree.models.target import TargetModel
+from eagle_tree.reference.tiny import tiny_causal_lm
 
 ATOL = 1e-5
 VOCAB = 64

@@ -20,8 +20,8 @@ from transformers import AutoConfig, LlamaConfig
 
 import eagle_tree as et
 from eagle_tree.commands.export import main as export_main
-from eagle_tree.drafting import Drafter
-from eagle_tree.export import (
+from eagle_tree.decoding.drafting import Drafter
+from eagle_tree.models.layouts import (
     LAYOUTS,
     engine_feature_layers,
     expected_shapes,
@@ -29,9 +29,9 @@ from eagle_tree.export import (
     log_head_artifact,
     read_config,
 )
-from eagle_tree.target import TargetModel
-from eagle_tree.tiny import tiny_causal_lm
-from eagle_tree.ttt import ttt_forward
+from eagle_tree.models.target import TargetModel
+from eagle_tree.reference.tiny import tiny_causal_lm
+from eagle_tree.training.ttt import ttt_forward
 
 GOLDEN = Path(__file__).parent / "golden"
 TREE = et.TreeConfig(depth=3, top_k=2, total_tokens=6)
@@ -345,8 +345,8 @@ def test_export_command(trained, exported, tmp_path, capsys):
 
 # ----------------------------------------------------------------------------------------- W&B
 def test_head_artifact_is_logged_offline(exported, tmp_path, monkeypatch):
-    from eagle_tree.tracking import RunLogger, WandbConfig
-    from eagle_tree.wandb_records import read_run
+    from eagle_tree.utils.tracking import RunLogger, WandbConfig
+    from eagle_tree.utils.wandb_records import read_run
 
     for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL", "NETRC"):
         monkeypatch.delenv(name, raising=False)

@@ -6,18 +6,18 @@ import pytest
 import torch
 
 import eagle_tree as et
-from eagle_tree.data import batches
-from eagle_tree.feature_cache import (
+from eagle_tree.models.target import TargetModel
+from eagle_tree.reference.tiny import tiny_causal_lm
+from eagle_tree.training.data import batches
+from eagle_tree.training.feature_cache import (
     FeatureCache,
     StaleCacheError,
     compress_logits,
     example_targets,
     expand_logits,
 )
-from eagle_tree.target import TargetModel
-from eagle_tree.tiny import tiny_causal_lm
-from eagle_tree.training import TTTLoss, batch_targets
-from eagle_tree.ttt import ttt_forward
+from eagle_tree.training.loop import TTTLoss, batch_targets
+from eagle_tree.training.ttt import ttt_forward
 
 VOCAB = 128
 DRAFT_IDS = torch.arange(0, VOCAB, 2)  # half the vocabulary: many target top tokens fall outside it
@@ -119,7 +119,7 @@ def test_stale_cache_is_refused(setup, tmp_path):
 
 
 def test_fingerprint_sees_a_small_weight_change(setup):
-    from eagle_tree.feature_cache import target_fingerprint
+    from eagle_tree.training.feature_cache import target_fingerprint
 
     target, _, _ = setup
     before = target_fingerprint(target)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import eagle_tree as et
-from eagle_tree.tiny import tiny_causal_lm
+from eagle_tree.reference.tiny import tiny_causal_lm
 
 
 def test_sampling_config_and_processed_probs():

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from eagle_tree.commands.quickstart import main
-from eagle_tree.toy import build_toy
-from eagle_tree.wandb_records import read_run
+from eagle_tree.reference.toy import build_toy
+from eagle_tree.utils.wandb_records import read_run
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle_tree import reference as ref
+from eagle_tree.reference import builder as ref
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "reference"
 SNIPPET = "import os\n\n\ndef main(path):\n    with open(path) as f:\n        return f.read().split()\n"
@@ -131,7 +131,7 @@ def test_shipped_models_share_one_tokenizer_and_fit_the_size_limit():
 
 @needs_assets
 def test_prompts_are_held_out_by_file():
-    from eagle_tree.corpus import Manifest
+    from eagle_tree.reference.corpus import Manifest
 
     manifest = Manifest.load(ASSETS / "manifest.json")
     train = set(manifest.paths("train"))

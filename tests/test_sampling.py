@@ -16,7 +16,7 @@ from transformers.generation.logits_process import (
 )
 
 from eagle_tree import SamplingConfig, processed_probs
-from eagle_tree.sampling import greedy_token, sample_token
+from eagle_tree.core.sampling import greedy_token, sample_token
 
 
 def hf_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from eagle_tree.drafting import TreeConfig
-from eagle_tree.shapes import (
+from eagle_tree.decoding.drafting import TreeConfig
+from eagle_tree.decoding.shapes import (
     ShapeMeasurement,
     change_helps,
     grow_while_helps,

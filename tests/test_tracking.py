@@ -9,8 +9,8 @@ import zlib
 
 import pytest
 
-from eagle_tree.tracking import RunLogger, WandbConfig, resolve_mode
-from eagle_tree.wandb_records import (
+from eagle_tree.utils.tracking import RunLogger, WandbConfig, resolve_mode
+from eagle_tree.utils.wandb_records import (
     BLOCK_SIZE,
     HEADER,
     RecordFileError,
@@ -191,7 +191,7 @@ def test_auto_mode(tmp_path, monkeypatch):
 def test_import_does_not_load_wandb():
     code = (
         "import sys\n"
-        "import eagle_tree.config, eagle_tree.tracking as t, eagle_tree.wandb_records\n"
+        "import eagle_tree.utils.config, eagle_tree.utils.tracking as t, eagle_tree.utils.wandb_records\n"
         "with t.RunLogger(t.WandbConfig(mode='disabled')) as logger:\n"
         "    logger.log({'x': 1.0})\n"
         "print('wandb' in sys.modules)\n"

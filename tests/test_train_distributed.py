@@ -18,10 +18,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle_tree.config import load_config
-from eagle_tree.toy import build_toy, default_cache_dir
-from eagle_tree.training import TrainConfig, train
-from eagle_tree.wandb_records import read_run
+from eagle_tree.reference.toy import build_toy, default_cache_dir
+from eagle_tree.training.loop import TrainConfig, train
+from eagle_tree.utils.config import load_config
+from eagle_tree.utils.wandb_records import read_run
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.yaml"

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle_tree.config import load_config
-from eagle_tree.toy import default_cache_dir
-from eagle_tree.training import TrainConfig, latest_checkpoint, train
+from eagle_tree.reference.toy import default_cache_dir
+from eagle_tree.training.loop import TrainConfig, latest_checkpoint, train
+from eagle_tree.utils.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.yaml"

@@ -14,10 +14,9 @@ import torch
 
 import eagle_tree as et
 from eagle_tree.commands.train import main
-from eagle_tree.config import load_config
-from eagle_tree.data import batches
-from eagle_tree.toy import default_cache_dir
-from eagle_tree.training import (
+from eagle_tree.reference.toy import default_cache_dir
+from eagle_tree.training.data import batches
+from eagle_tree.training.loop import (
     DataStream,
     ScheduleSection,
     TrainConfig,
@@ -27,7 +26,8 @@ from eagle_tree.training import (
     resolve_mixed_precision,
     train,
 )
-from eagle_tree.wandb_records import read_run
+from eagle_tree.utils.config import load_config
+from eagle_tree.utils.wandb_records import read_run
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.yaml"
@@ -131,7 +131,7 @@ def test_trained_head_accepts_clearly_more_than_an_untrained_one(trained):
         assert last[f"acceptance_length_{mode}"] >= first[f"acceptance_length_{mode}"] + MARGIN, (mode, summary)
 
     cfg = load_config(TrainConfig, out / "config.yaml")
-    from eagle_tree.training import load_target, read_prompts
+    from eagle_tree.training.loop import load_target, read_prompts
 
     target, tok = load_target(cfg)
     prompts = [tok(p, return_tensors="pt")["input_ids"][0] for p in read_prompts(cfg)]
@@ -229,7 +229,7 @@ def test_data_stream_crosses_epochs_and_resumes():
 
 def test_every_config_field_has_help():
     """Every option line of `eagle-tree train --help` (sections included) carries a help text."""
-    from eagle_tree.config import format_help
+    from eagle_tree.utils.config import format_help
 
     lines = format_help(TrainConfig, "eagle-tree train").splitlines()
     options = lines[next(i for i, line in enumerate(lines) if line.startswith("options")) + 1:]
@@ -251,8 +251,8 @@ def test_training_configs_load(name):
 
 
 def test_import_stays_light():
-    code = ("import sys, eagle_tree, eagle_tree.training, eagle_tree.feature_cache, eagle_tree.toy, "
-            "eagle_tree.commands.train\n"
+    code = ("import sys, eagle_tree, eagle_tree.training.loop, eagle_tree.training.feature_cache, "
+            "eagle_tree.reference.toy, eagle_tree.commands.train\n"
             "heavy = [m for m in ('wandb', 'datasets', 'accelerate') if m in sys.modules]\n"
             "assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -273,8 +273,8 @@ def test_recipe_runs(tmp_path, monkeypatch, capsys):
 def test_stdlib_corpus_source_is_chunked_by_whole_lines(tmp_path, monkeypatch):
     """data.path 'stdlib:MANIFEST#SPLIT' (the reference config's data): the split's files, verified against
     the manifest, cut at line ends into chunks of about 3 * max_length characters that rebuild the files."""
-    from eagle_tree import corpus
-    from eagle_tree.training import resolve_data
+    from eagle_tree.reference import corpus
+    from eagle_tree.training.loop import resolve_data
 
     src = tmp_path / "lib"
     texts = {f"m{i}.py": "".join(f"x_{i}_{j} = {j}  # line {j}\n" for j in range(40 + 7 * i)) for i in range(6)}

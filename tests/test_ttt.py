@@ -4,10 +4,10 @@ import pytest
 import torch
 
 import eagle_tree as et
-from eagle_tree.drafting import Drafter
-from eagle_tree.target import TargetModel
-from eagle_tree.tiny import FAMILIES, tiny_causal_lm
-from eagle_tree.ttt import simulated_acceptance_length, ttt_forward
+from eagle_tree.decoding.drafting import Drafter
+from eagle_tree.models.target import TargetModel
+from eagle_tree.reference.tiny import FAMILIES, tiny_causal_lm
+from eagle_tree.training.ttt import simulated_acceptance_length, ttt_forward
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

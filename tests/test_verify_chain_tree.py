@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from eagle_tree import Tree, verify_tree
-from eagle_tree.verify import PROPOSALS
+from eagle_tree.core.verify import PROPOSALS
 
 V = 5
 SAMPLED = ("with_replacement", "without_replacement")

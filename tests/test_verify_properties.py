@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from eagle_tree import SamplingConfig, Tree, processed_probs, verify_tree
-from eagle_tree.verify import PROPOSALS
+from eagle_tree.core.verify import PROPOSALS
 
 SETTINGS = settings(
     max_examples=100, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]

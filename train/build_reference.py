@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from eagle_tree import corpus
-from eagle_tree import reference as ref
+from eagle_tree.reference import builder as ref
+from eagle_tree.reference import corpus
 
 
 def parse_args(argv=None) -> argparse.Namespace:

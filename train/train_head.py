@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import sys
 
-from eagle_tree.config import parse_cli
-from eagle_tree.training import TrainConfig, train
+from eagle_tree.training.loop import TrainConfig, train
+from eagle_tree.utils.config import parse_cli
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,7 +2,7 @@
 
 1. Tuning: every candidate draft shape (``chain_lengths`` and ``trees``) decodes the tuning prompts;
    per shape the mean round time C and mean committed tokens K give C / K, and the shape with the
-   lowest C / K is selected per kind (eagle_tree.shapes). The result goes to ``shapes.json``, which
+   lowest C / K is selected per kind (eagle_tree.decoding.shapes). The result goes to ``shapes.json``, which
    ``eagle-tree decode mode=auto shapes=...`` reads.
 2. Test: on the test prompts (never the tuning ones), every method runs with the same target object,
    prompts, sampling settings, seeds and output budget, interleaved and repeated: plain decoding in
@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from ..config import config_to_dict, parse_cli, save_config
-from ..drafting import TreeConfig
-from ..sampling import SamplingConfig
-from ..tracking import WandbConfig
+from eagle_tree.core.sampling import SamplingConfig
+from eagle_tree.decoding.drafting import TreeConfig
+from eagle_tree.utils.config import config_to_dict, parse_cli, save_config
+from eagle_tree.utils.tracking import WandbConfig
 
 MethodKind = Literal["plain", "hf_generate", "hf_assisted", "hf_prompt_lookup", "chain", "tree"]
 
@@ -115,8 +115,8 @@ def build_tiny_assets(folder: str | Path) -> dict[str, Path]:
              "tuning_prompts": folder / "tuning.jsonl", "test_prompts": folder / "test.jsonl"}
     if (folder / "COMPLETE").is_file():
         return paths
-    from ..draft_model import Eagle3DraftModel
-    from ..tiny import char_tokenizer, tiny_causal_lm
+    from eagle_tree.models.head import Eagle3DraftModel
+    from eagle_tree.reference.tiny import char_tokenizer, tiny_causal_lm
 
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
@@ -142,8 +142,8 @@ def load_bench_models(cfg: BenchConfig):
     """BenchModels: the target and head through ``eagle-tree decode``'s loader, plus the assistant."""
     import torch
 
-    from ..bench import BenchModels
-    from .decode import DecodeConfig, load_models
+    from eagle_tree.bench.runner import BenchModels
+    from eagle_tree.commands.decode import DecodeConfig, load_models
 
     wants_head = any(m in cfg.methods for m in ("chain", "tree"))
     if wants_head and cfg.head is None:
@@ -168,7 +168,7 @@ def load_bench_models(cfg: BenchConfig):
 
 
 def baseline_methods(cfg: BenchConfig):
-    from ..bench import HF_GENERATE, PLAIN, Method
+    from eagle_tree.bench.runner import HF_GENERATE, PLAIN, Method
 
     methods = [PLAIN]
     if "hf_generate" in cfg.methods:
@@ -188,8 +188,8 @@ def candidate_shapes(cfg: BenchConfig) -> list[TreeConfig]:
 
 def tune_shapes(cfg: BenchConfig, models, tuning_ids, out_dir: Path, **common):
     """Run every candidate shape on the tuning prompts; write shapes.json; return (its dict, selection)."""
-    from .. import bench
-    from ..shapes import save_tuned_shapes, selection
+    from eagle_tree.bench import runner as bench
+    from eagle_tree.decoding.shapes import save_tuned_shapes, selection
 
     shapes = candidate_shapes(cfg)
     print(f"tuning {len(shapes)} shapes on {len(tuning_ids)} prompts x {cfg.tuning_repeats} ({cfg.tuning_prompts})")
@@ -206,9 +206,9 @@ def main(argv: list[str]) -> int:
     cfg = parse_cli(BenchConfig, argv, prog="eagle-tree bench")
     import torch
 
-    from .. import bench
-    from ..tracking import RunLogger
-    from .decode import read_prompts
+    from eagle_tree.bench import runner as bench
+    from eagle_tree.commands.decode import read_prompts
+    from eagle_tree.utils.tracking import RunLogger
 
     if cfg.tiny_assets:
         for key, path in build_tiny_assets(cfg.tiny_assets).items():

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from ..config import config_to_dict, parse_cli, save_config
-from ..drafting import TreeConfig
-from ..sampling import SamplingConfig
-from ..tracking import WandbConfig
+from eagle_tree.core.sampling import SamplingConfig
+from eagle_tree.decoding.drafting import TreeConfig
+from eagle_tree.utils.config import config_to_dict, parse_cli, save_config
+from eagle_tree.utils.tracking import WandbConfig
 
 
 @dataclass
@@ -81,9 +81,9 @@ def load_models(cfg: DecodeConfig):
     import torch
     from transformers import AutoTokenizer
 
-    from ..decoder import SpeculativeDecoder
-    from ..draft_model import Eagle3DraftModel
-    from ..target import TargetModel
+    from eagle_tree.decoding.decoder import SpeculativeDecoder
+    from eagle_tree.models.head import Eagle3DraftModel
+    from eagle_tree.models.target import TargetModel
 
     dtype = getattr(torch, cfg.dtype)
     tokenizer = AutoTokenizer.from_pretrained(cfg.target)
@@ -94,7 +94,7 @@ def load_models(cfg: DecodeConfig):
         head_path = Path(cfg.head)
         layers = None
         if (head_path / "config.json").is_file():
-            from ..export import read_config
+            from eagle_tree.models.layouts import read_config
 
             with contextlib.suppress(ValueError):  # layers unknown until the target is loaded
                 layers = read_config(json.loads((head_path / "config.json").read_text())).feature_layers
@@ -104,7 +104,7 @@ def load_models(cfg: DecodeConfig):
         target = TargetModel.from_pretrained(cfg.target, dtype=dtype)
     tree = TreeConfig.chain(cfg.chain_length, sampled=cfg.tree.sampled) if cfg.mode == "chain" else cfg.tree
     if cfg.mode == "auto":
-        from ..shapes import load_tuned_shape
+        from eagle_tree.decoding.shapes import load_tuned_shape
 
         tree = load_tuned_shape(cfg.shapes)
     return SpeculativeDecoder(target, head, tree=tree), tokenizer
@@ -114,8 +114,8 @@ def main(argv: list[str]) -> int:
     cfg = parse_cli(DecodeConfig, argv, prog="eagle-tree decode")
     import torch
 
-    from ..metrics import summarize
-    from ..tracking import RunLogger
+    from eagle_tree.decoding.metrics import summarize
+    from eagle_tree.utils.tracking import RunLogger
 
     decoder, tokenizer = load_models(cfg)
     prompts = [cfg.prompt] if cfg.prompt is not None else read_prompts(cfg.prompts)

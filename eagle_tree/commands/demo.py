@@ -7,7 +7,7 @@ from collections import Counter
 
 import torch
 
-from ..verify import verify_tree
+from eagle_tree.core.verify import verify_tree
 
 
 def main(argv: list[str]) -> int:

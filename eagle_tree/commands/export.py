@@ -23,7 +23,7 @@ NEXT_STEP = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..export import LAYOUTS
+    from eagle_tree.models.layouts import LAYOUTS
 
     p = argparse.ArgumentParser(
         prog="eagle-tree export",
@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     import torch
 
-    from ..export import export_head, read_head
+    from eagle_tree.models.layouts import export_head, read_head
 
     try:
         target_config, layers = None, None

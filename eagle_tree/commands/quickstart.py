@@ -17,10 +17,10 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import config_to_dict, parse_cli, save_config
-from ..drafting import TreeConfig
-from ..shapes import shape_name
-from ..tracking import WandbConfig
+from eagle_tree.decoding.drafting import TreeConfig
+from eagle_tree.decoding.shapes import shape_name
+from eagle_tree.utils.config import config_to_dict, parse_cli, save_config
+from eagle_tree.utils.tracking import WandbConfig
 
 
 @dataclass
@@ -68,8 +68,8 @@ class QuickstartConfig:
 
 def train_head(cfg: QuickstartConfig, out: Path) -> Path:
     """Train the head with the project's trainer; return the folder of the final head."""
-    from ..config import load_config
-    from ..training import TrainConfig, train
+    from eagle_tree.training.loop import TrainConfig, train
+    from eagle_tree.utils.config import load_config
 
     overrides = [
         f"output_dir={out / 'train'}",
@@ -101,12 +101,12 @@ def compare(cfg: QuickstartConfig, head_dir: Path):
     import torch
     from transformers import AutoTokenizer
 
-    from ..decoder import SpeculativeDecoder
-    from ..draft_model import Eagle3DraftModel
-    from ..metrics import summarize
-    from ..sampling import SamplingConfig
-    from ..target import TargetModel
-    from .decode import read_prompts
+    from eagle_tree.commands.decode import read_prompts
+    from eagle_tree.core.sampling import SamplingConfig
+    from eagle_tree.decoding.decoder import SpeculativeDecoder
+    from eagle_tree.decoding.metrics import summarize
+    from eagle_tree.models.head import Eagle3DraftModel
+    from eagle_tree.models.target import TargetModel
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.target)
     head_layers = json.loads((head_dir / "config.json").read_text()).get("feature_layers")
@@ -191,7 +191,7 @@ def main(argv: list[str]) -> int:
     cfg = parse_cli(QuickstartConfig, argv, prog="eagle-tree quickstart")
     import torch
 
-    from ..tracking import RunLogger
+    from eagle_tree.utils.tracking import RunLogger
 
     torch.set_num_threads(cfg.threads)
     out = Path(cfg.output_dir)

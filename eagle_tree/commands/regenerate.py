@@ -4,18 +4,18 @@
         "temperatures=[0.0, 1.0]" limit=4096
 
 Train a head on the result (alone, or beside the original data: ``data.path=[A, B]``). Rerunning the
-same command after an interruption resumes from the finished batches (see eagle_tree.regenerate).
+same command after an interruption resumes from the finished batches (see eagle_tree.reference.regenerate).
 """
 
 from __future__ import annotations
 
 import sys
 
-from ..config import parse_cli
+from eagle_tree.utils.config import parse_cli
 
 
 def main(argv: list[str]) -> int:
-    from ..regenerate import RegenerateConfig, regenerate
+    from eagle_tree.reference.regenerate import RegenerateConfig, regenerate
 
     cfg = parse_cli(RegenerateConfig, argv, prog="eagle-tree regenerate")
     try:

@@ -7,11 +7,11 @@
 
 from __future__ import annotations
 
-from ..config import parse_cli
+from eagle_tree.utils.config import parse_cli
 
 
 def main(argv: list[str]) -> int:
-    from ..training import TrainConfig, train
+    from eagle_tree.training.loop import TrainConfig, train
 
     cfg = parse_cli(TrainConfig, argv, prog="eagle-tree train")
     result = train(cfg)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .draft_model import Eagle3DraftModel
+from eagle_tree.models.head import Eagle3DraftModel
 
 
 @dataclass

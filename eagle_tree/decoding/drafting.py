@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .draft_model import Eagle3DraftModel
-from .sampling import SamplingConfig, processed_probs
-from .tree import Tree
+from eagle_tree.core.sampling import SamplingConfig, processed_probs
+from eagle_tree.core.tree import Tree
+from eagle_tree.models.head import Eagle3DraftModel
 
 
 @dataclass(frozen=True)

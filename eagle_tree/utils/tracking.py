@@ -7,7 +7,7 @@ Mode ``"auto"`` (the default) follows ``WANDB_MODE`` when it is set; otherwise i
 API key is configured (``WANDB_API_KEY``, or a ``.netrc`` entry for the W&B host) and offline when
 not, so that machines without network or credentials still keep every run; upload later with
 ``wandb sync <run_dir>``. In ``"disabled"`` mode every method is a no-op and wandb is never imported.
-Offline runs can be read back with :mod:`eagle_tree.wandb_records`.
+Offline runs can be read back with :mod:`eagle_tree.utils.wandb_records`.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def _wait_for_exit_record(run_dir: Path, timeout: float = 30.0) -> None:
     from google.protobuf.message import DecodeError
     from wandb.proto import wandb_internal_pb2 as pb
 
-    from .wandb_records import RecordFileError, find_run_file, iter_payloads
+    from eagle_tree.utils.wandb_records import RecordFileError, find_run_file, iter_payloads
 
     deadline, delay = time.monotonic() + timeout, 0.005
     while True:
@@ -129,7 +129,7 @@ class RunLogger:
             return
         import wandb
 
-        from .config import config_to_dict
+        from eagle_tree.utils.config import config_to_dict
 
         directory = cfg.dir or os.environ.get("WANDB_DIR") or None  # read now: wandb caches its setup
         if directory is not None:

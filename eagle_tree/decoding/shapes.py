@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from .drafting import TreeConfig
+from eagle_tree.decoding.drafting import TreeConfig
 
 SHAPES_FORMAT = "eagle-tree/shapes/v1"
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tree import Tree
+from eagle_tree.core.tree import Tree
 
 SUPPORTED_ATTENTION = ("eager", "sdpa")
 REQUIRED_FORWARD_INPUTS = ("attention_mask", "position_ids", "cache")

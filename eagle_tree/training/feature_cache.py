@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .data import iter_token_columns
+from eagle_tree.training.data import iter_token_columns
 
 FORMAT_VERSION = 1
 META_NAME = "meta.json"

@@ -30,8 +30,8 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from .atomic import atomic_dir
-from .target import default_feature_layers
+from eagle_tree.models.target import default_feature_layers
+from eagle_tree.utils.atomic import atomic_dir
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -98,9 +98,9 @@ class Eagle3Config:
     def from_json_dict(cls, d: dict, target_num_layers: int | None = None) -> Eagle3Config:
         """Read our config.json, the official EAGLE-3 / SGLang style (a Llama config plus
         ``draft_vocab_size``, optional ``target_hidden_size`` and ``eagle_config``) or a vLLM speculators
-        config; see :func:`eagle_tree.export.read_config` (``target_num_layers`` resolves the default
+        config; see :func:`eagle_tree.models.layouts.read_config` (``target_num_layers`` resolves the default
         feature layers of configs that name none)."""
-        from .export import read_config
+        from eagle_tree.models.layouts import read_config
 
         return read_config(d, target_num_layers=target_num_layers)
 
@@ -292,9 +292,9 @@ class Eagle3DraftModel(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, target=None, dtype: torch.dtype | None = None):
         """Load a head saved by eagle-tree or in the EAGLE-3, SGLang or vLLM speculators layout (see
-        :mod:`eagle_tree.export`); bind it to ``target`` if given. A config that names no feature
+        :mod:`eagle_tree.models.layouts`); bind it to ``target`` if given. A config that names no feature
         layers (official EAGLE-3 style) gets the default layers of ``target``, which is then required."""
-        from .export import read_head
+        from eagle_tree.models.layouts import read_head
 
         layers = None
         if target is not None:
@@ -358,7 +358,7 @@ def _check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, cfg: Eagle3Config) -
 
 
 def _is_wrapper(obj) -> bool:
-    from .target import TargetModel
+    from eagle_tree.models.target import TargetModel
 
     return isinstance(obj, TargetModel)
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import greedy_token
-from .tree import ROOT, Tree
+from eagle_tree.core.sampling import greedy_token
+from eagle_tree.core.tree import ROOT, Tree
 
 PROPOSALS = ("greedy", "deterministic", "with_replacement", "without_replacement")
 

@@ -2,7 +2,7 @@
 
 Every method is run on the same target object, tokenised prompts, sampling settings, seeds and
 output budget, in an interleaved order (:func:`interleaved_schedule`), and every call returns a
-:class:`~eagle_tree.decoder.GenerateOutput`, so one summary function serves them all:
+:class:`~eagle_tree.decoding.decoder.GenerateOutput`, so one summary function serves them all:
 
 - eagle-tree methods (``kind="eagle"``): plain decoding in eagle-tree's own loop (no draft: the
   speed-up denominator) and chain / tree drafting with the EAGLE-3 head;
@@ -39,12 +39,12 @@ from typing import Any, Literal
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from .decoder import GenerateOutput, RoundStats, SpeculativeDecoder
-from .drafting import TreeConfig
-from .metrics import per_position_acceptance, summarize
-from .sampling import SamplingConfig
-from .shapes import ShapeMeasurement, shape_name
-from .target import TargetModel
+from eagle_tree.core.sampling import SamplingConfig
+from eagle_tree.decoding.decoder import GenerateOutput, RoundStats, SpeculativeDecoder
+from eagle_tree.decoding.drafting import TreeConfig
+from eagle_tree.decoding.metrics import per_position_acceptance, summarize
+from eagle_tree.decoding.shapes import ShapeMeasurement, shape_name
+from eagle_tree.models.target import TargetModel
 
 # ------------------------------------------------------------------------------------- memory
 

@@ -33,8 +33,7 @@ from pathlib import Path
 
 import torch
 
-from .atomic import atomic_dir
-from .draft_model import (
+from eagle_tree.models.head import (
     ARCHITECTURE,
     CONFIG_NAME,
     WEIGHTS_NAME,
@@ -43,7 +42,8 @@ from .draft_model import (
     _check_vocab_maps,
     check_head_matches_target,
 )
-from .target import default_feature_layers
+from eagle_tree.models.target import default_feature_layers
+from eagle_tree.utils.atomic import atomic_dir
 
 __all__ = [
     "LAYOUTS",
@@ -441,7 +441,7 @@ def log_head_artifact(logger, head_dir: str | Path, name: str, config, acceptanc
     offline runs keep it until ``wandb sync``). Metadata: ``config`` (the resolved run config),
     ``acceptance_length`` (the latest measured one, or None), ``layout`` and ``head_config`` (the
     head's config.json). Returns the metadata."""
-    from .config import config_to_dict
+    from eagle_tree.utils.config import config_to_dict
 
     head_dir = Path(head_dir)
     cfg_file = head_dir / CONFIG_NAME

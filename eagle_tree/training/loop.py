@@ -37,9 +37,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from .data import DataConfig
-from .toy import ToyConfig
-from .tracking import WandbConfig
+from eagle_tree.reference.toy import ToyConfig
+from eagle_tree.training.data import DataConfig
+from eagle_tree.utils.tracking import WandbConfig
 
 STATE_NAME = "training_state.pt"
 CONFIG_NAME = "config.yaml"
@@ -60,7 +60,7 @@ class TargetSection:
     """The frozen target model."""
 
     path: str = field(default="toy", metadata={
-        "help": "'toy' (a tiny target with learnable structure, built locally by eagle_tree.toy), or a local "
+        "help": "'toy' (a tiny target with learnable structure, built locally by eagle_tree.reference.toy), or a local "
                 "folder / hub id loaded with AutoModelForCausalLM + AutoTokenizer"})
     dtype: Literal["float32", "bfloat16", "float16"] = field(default="float32", metadata={
         "help": "dtype the target is loaded and run in (features are cached in it)"})
@@ -245,7 +245,7 @@ class DataStream:
         return {"epoch": self.epoch, "index": self.index}
 
     def next(self):
-        from .data import batches
+        from eagle_tree.training.data import batches
 
         while True:
             if self._it is None:
@@ -269,7 +269,7 @@ class TTTLoss(nn.Module):
         self.draft, self.steps, self.decay = draft, steps, decay
 
     def forward(self, features, input_ids, loss_mask, target_logits, lengths):
-        from .ttt import ttt_forward
+        from eagle_tree.training.ttt import ttt_forward
 
         features = features.to(self.draft.fc.weight.dtype)
         out = ttt_forward(self.draft, features, input_ids, loss_mask, target_logits, self.steps, self.decay, lengths)
@@ -291,7 +291,7 @@ def pad_targets(rows: list[tuple[torch.Tensor, torch.Tensor]], width: int) -> tu
 
 def batch_targets(batch, target=None, cache=None, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(features (B, T, 3H), logits (B, T, V) float32) of a data.Batch, online or from a FeatureCache."""
-    from .feature_cache import example_targets
+    from eagle_tree.training.feature_cache import example_targets
 
     rows = []
     for row, i in enumerate(batch.indices):
@@ -311,7 +311,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def _toy_assets(cfg: TrainConfig):
-    from .toy import build_toy
+    from eagle_tree.reference.toy import build_toy
 
     return build_toy(cfg.target.toy, cfg.target.toy_cache_dir)
 
@@ -320,7 +320,7 @@ def load_target(cfg: TrainConfig):
     """(TargetModel, tokenizer) for ``cfg.target`` ('toy' builds or reuses the toy target)."""
     from transformers import AutoTokenizer
 
-    from .target import TargetModel
+    from eagle_tree.models.target import TargetModel
 
     path = str(_toy_assets(cfg).target) if cfg.target.path == "toy" else cfg.target.path
     target = TargetModel.from_pretrained(path, dtype=_DTYPES[cfg.target.dtype],
@@ -333,10 +333,10 @@ def load_target(cfg: TrainConfig):
 
 def _stdlib_jsonl(spec: str, out_dir: Path, chunk_chars: int = 2000) -> Path:
     """'stdlib:MANIFEST#SPLIT' -> a jsonl of {"text"} chunks (whole lines, about ``chunk_chars`` each) of
-    that split of the standard-library corpus (eagle_tree.corpus, files checked against the manifest);
+    that split of the standard-library corpus (eagle_tree.reference.corpus, files checked against the manifest);
     written once under ``out_dir``. Chunks of about 3 * max_length characters keep most of the text
     within max_length tokens (a 1024-entry BPE averages about 3 characters per token on Python)."""
-    from . import corpus
+    from eagle_tree.reference import corpus
 
     manifest_path, _, split = spec.removeprefix("stdlib:").partition("#")
     split = split or "train"
@@ -399,10 +399,10 @@ def evaluate_acceptance(target, draft, prompt_ids: list[torch.Tensor], ev: EvalS
                         eos_token_id: int | None = None) -> dict:
     """Greedy decoding of every prompt in chain and tree mode: acceptance length (committed tokens per
     round) and the survival curve Pr(A >= i) of accepted draft tokens A, per mode."""
-    from .decoder import SpeculativeDecoder
-    from .drafting import TreeConfig
-    from .metrics import summarize
-    from .sampling import SamplingConfig
+    from eagle_tree.core.sampling import SamplingConfig
+    from eagle_tree.decoding.decoder import SpeculativeDecoder
+    from eagle_tree.decoding.drafting import TreeConfig
+    from eagle_tree.decoding.metrics import summarize
 
     was_training = draft.training
     head = draft if draft.fc.weight.dtype == target.dtype else copy.deepcopy(draft).to(target.dtype)
@@ -464,7 +464,7 @@ def _set_rng_state(state: dict) -> None:
 def _full_head(draft, weights: dict):
     """A CPU copy of the head holding ``weights`` (the full state dict of the TTTLoss module, which FSDP
     gathers): what checkpoints, the final folder and evaluation use."""
-    from .draft_model import Eagle3DraftModel
+    from eagle_tree.models.head import Eagle3DraftModel
 
     head = Eagle3DraftModel(draft.config, draft.d2t.detach().cpu(), draft.t2d.detach().cpu())
     state = {k.removeprefix("draft."): v.detach().cpu() for k, v in weights.items()}
@@ -480,7 +480,7 @@ def _save_checkpoint(acc, cfg: TrainConfig, module, draft, optimizer, scheduler,
     """Atomically write OUTPUT_DIR/checkpoints/step-N: the head in the EAGLE-3 layout (config.json,
     model.safetensors), training_state.pt and config.yaml. Built in a hidden ``.step-N.partial``
     folder, then renamed. Every process takes part (gathers); the main process writes."""
-    from .config import save_config
+    from eagle_tree.utils.config import save_config
 
     rng = _gather_object(acc, _rng_state())
     weights = acc.get_state_dict(module)  # the full state dict on the main process (FSDP gathers)
@@ -562,7 +562,7 @@ def _step_metrics(outs: list, losses: list[torch.Tensor], steps: int, acc) -> di
         vec = acc.reduce(vec.to(acc.device), reduction="sum").cpu()
     counts = vec[2 * steps: 3 * steps].clamp_min(1)
     acc_s = (vec[:steps] / counts).tolist()
-    from .ttt import simulated_acceptance_length
+    from eagle_tree.training.ttt import simulated_acceptance_length
 
     metrics = {"train/loss": float(vec[3 * steps] / vec[3 * steps + 1])}
     metrics.update({f"train/acc_{s}": acc_s[s] for s in range(steps)})
@@ -586,7 +586,7 @@ class _Run:
     """One training run in named phases: setup, evaluate, step, checkpoint, finish."""
 
     def __init__(self, cfg: TrainConfig):
-        from .config import save_config
+        from eagle_tree.utils.config import save_config
 
         self.cfg = cfg
         self.acc, self.precision = _make_accelerator(cfg)
@@ -640,8 +640,8 @@ class _Run:
 
     def _head(self):
         """The head (and its draft vocabulary) from the checkpoint being resumed, a warm start, or fresh."""
-        from .data import build_draft_vocab
-        from .draft_model import Eagle3DraftModel
+        from eagle_tree.models.head import Eagle3DraftModel
+        from eagle_tree.training.data import build_draft_vocab
 
         source = self.resume_from or self.cfg.model.init_from
         if source is not None:
@@ -653,7 +653,7 @@ class _Run:
     def _feature_cache(self, draft):
         if self.cfg.features.source != "cache":
             return None
-        from .feature_cache import FeatureCache
+        from eagle_tree.training.feature_cache import FeatureCache
 
         f = self.cfg.features
         return FeatureCache.build(Path(f.cache_dir or self.out_dir / "feature_cache"), self.target, self.examples,
@@ -678,7 +678,7 @@ class _Run:
             print(f"[eagle-tree train] resumed from {self.resume_from} at step {self.step}", flush=True)
 
     def _logger(self):
-        from .tracking import RunLogger
+        from eagle_tree.utils.tracking import RunLogger
 
         logger = RunLogger(self.cfg.wandb if self.main else WandbConfig(mode="disabled"), run_config=self.cfg,
                            job_type="train")
@@ -742,7 +742,7 @@ class _Run:
 
     def _log_head(self, head_dir: Path, name: str) -> None:
         """A W&B model artifact for a saved head, with the run config and the latest measured acceptance."""
-        from .export import log_head_artifact
+        from eagle_tree.models.layouts import log_head_artifact
 
         latest = self.evals[-1]["acceptance_length_tree"] if self.evals else None
         log_head_artifact(self.logger, head_dir, name, self.cfg, latest)
@@ -785,7 +785,7 @@ class _Run:
 
     def finish(self, wall: float) -> TrainResult:
         """Save the final head (DIR/final, with the resolved config), the summary, and close the W&B run."""
-        from .config import save_config
+        from eagle_tree.utils.config import save_config
 
         tokens_per_rank = self._tokens_per_rank()
         weights = self.acc.get_state_dict(self.module)

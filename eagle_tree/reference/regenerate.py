@@ -25,7 +25,7 @@ from typing import Literal
 
 import torch
 
-from .data import CONVERSATION_FIELDS, TEXT_FIELDS, normalize_messages
+from eagle_tree.training.data import CONVERSATION_FIELDS, TEXT_FIELDS, normalize_messages
 
 MARKER = "_batch_done"  # key of the line that ends each finished batch in OUTPUT.partial
 
@@ -86,10 +86,10 @@ def read_rows(data: str, limit: int | None = None, chunk_chars: int = 768, every
     """Input rows as dicts (``datasets`` does the reading; 'stdlib:' specs are chunked first)."""
     import tempfile
 
-    from .data import _load_raw
+    from eagle_tree.training.data import _load_raw
 
     if data.startswith("stdlib:"):
-        from .training import _stdlib_jsonl
+        from eagle_tree.training.loop import _stdlib_jsonl
 
         data = str(_stdlib_jsonl(data, Path(tempfile.gettempdir()) / "eagle_tree_regenerate", chunk_chars))
     raw = _load_raw(data, "train", "document", None)

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .drafting import Drafter, Proposal, TreeConfig
-from .sampling import SamplingConfig, processed_probs
-from .target import TargetModel
-from .tree import Tree
-from .verify import verify_tree
+from eagle_tree.core.sampling import SamplingConfig, processed_probs
+from eagle_tree.core.tree import Tree
+from eagle_tree.core.verify import verify_tree
+from eagle_tree.decoding.drafting import Drafter, Proposal, TreeConfig
+from eagle_tree.models.target import TargetModel
 
 
 @dataclass
