@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from eagle_tree import SamplingConfig, processed_probs, verify_tree
-from eagle_tree.core.verify import PROPOSALS
+from eagle_tree import SamplingConfig, Tree, processed_probs, verify_tree
+from eagle_tree.core.verify import VerifyRule
 
 BRANCHING = (4, 3, 2, 2, 1, 1)  # children per node at depth 0..5
 N_NODES = 64
@@ -74,7 +74,7 @@ def bench(kind: str, vocab: int, repeats: int, warmup: int = 10) -> tuple[list[f
     times, accepted = [], 0
     for i in range(warmup + repeats):
         t0 = time.perf_counter()
-        res = verify_tree(parents, tokens, p, q, kind, g)
+        res = verify_tree(Tree(parents, tokens), p, q, kind, g)
         dt = time.perf_counter() - t0
         if i >= warmup:
             times.append(dt)
@@ -98,7 +98,7 @@ def main() -> None:
     print(f"tree: {n} nodes, depth {len(BRANCHING)}, branching {BRANCHING}; vocab {args.vocab}; "
           f"{args.repeats} repeats")
     print(f"{'proposal':<22}{'us/call':>10}{'us/node':>10}{'p10/node':>10}{'p90/node':>10}{'accepted':>10}")
-    for kind in PROPOSALS:
+    for kind in tuple(VerifyRule):
         times, acc = bench(kind, args.vocab, args.repeats)
         us = sorted(t * 1e6 for t in times)
         med = statistics.median(us)

@@ -183,9 +183,8 @@ def test_greedy_scripted_tree_hiding_the_truth_equals_plain_greedy(family, shape
     assert torch.allclose(fed, reference[:, : fed.shape[1]], atol=1e-4, rtol=0)
 
 
-def _accept_everything(parents, tokens, target_probs, draft_probs, proposal, generator) -> VerifyResult:
+def _accept_everything(tree, target_probs, draft_probs, rule, generator) -> VerifyResult:
     """A broken verifier: follows the first child at every level, then emits the target's argmax."""
-    tree = parents if isinstance(parents, Tree) else Tree(parents, tokens)
     accepted, node = [], -1
     while tree.children[node]:
         node = tree.children[node][0]

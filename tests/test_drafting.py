@@ -133,9 +133,9 @@ def test_tree_config_defaults_chain_and_rules():
     chain = TreeConfig.chain(length=5)
     assert (chain.depth, chain.top_k, chain.total_tokens, chain.sampled) == (5, 1, 5, False) and chain.is_chain
     assert TreeConfig.chain(3, sampled=True).sampled
-    assert cfg.proposal(GREEDY) == "greedy" == TreeConfig(sampled=True).proposal(GREEDY)
-    assert cfg.proposal(T1) == "deterministic"
-    assert TreeConfig(sampled=True).proposal(SamplingConfig(temperature=0.7, top_k=5)) == "without_replacement"
+    assert cfg.rule(GREEDY) == "greedy" == TreeConfig(sampled=True).rule(GREEDY)
+    assert cfg.rule(T1) == "deterministic"
+    assert TreeConfig(sampled=True).rule(SamplingConfig(temperature=0.7, top_k=5)) == "without_replacement"
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.depth = 3
 
@@ -172,7 +172,7 @@ def test_deterministic_tree_is_the_documented_rerank(name, reduced):
     cfg = CONFIGS[name]
     d = _drafter(cfg, reduced)
     proposal = d.propose(T1)
-    assert proposal.proposal == "deterministic" and proposal.draft_probs is None
+    assert proposal.rule == "deterministic" and proposal.draft_probs is None
     ref = ChainReference(_head(reduced))
     kept, candidates = _grow(ref, cfg)
     assert _paths(proposal) == kept  # same nodes, parents first, siblings in proposal order
@@ -307,7 +307,7 @@ def test_sampled_trees_never_prune_and_carry_their_q(cfg, sampling, reduced):
     for seed in range(3):
         proposal = d.propose(sampling, torch.Generator().manual_seed(seed))
         tree, q_all = proposal.tree, proposal.draft_probs
-        assert proposal.proposal == "without_replacement"
+        assert proposal.rule == "without_replacement"
         assert q_all.shape == (len(tree) + 1, VOCAB) and q_all.dtype == torch.float32
         assert all(p < i for i, p in enumerate(tree.parents))
         assert tree.max_depth <= cfg.depth and len(tree) <= cfg.total_tokens
@@ -349,7 +349,7 @@ def test_sampled_trees_are_random_and_reproducible():
 def test_sampled_config_at_temperature_zero_drafts_the_deterministic_tree():
     cfg = TreeConfig(depth=3, top_k=3, total_tokens=8)
     greedy = _drafter(dataclasses.replace(cfg, sampled=True)).propose(GREEDY, torch.Generator().manual_seed(0))
-    assert greedy.proposal == "greedy" and greedy.draft_probs is None
+    assert greedy.rule == "greedy" and greedy.draft_probs is None
     assert _paths(greedy) == _grow(ChainReference(_head()), cfg)[0]
 
 

@@ -33,7 +33,7 @@ import pytest
 import torch
 from scipy import stats
 
-from eagle_tree import SamplingConfig, processed_probs, verify_tree
+from eagle_tree import SamplingConfig, Tree, processed_probs, verify_tree
 from tests.exact_reference import (
     NEGATIVE_CONTROLS,
     children_of,
@@ -68,7 +68,7 @@ Verifier = Callable[..., list[int]]
 
 
 def real_verifier(parents, tokens, p_rows, q_rows, rows, kind, gen) -> list[int]:
-    res = verify_tree(parents, tokens, p_rows, q_rows, kind, gen)
+    res = verify_tree(Tree(parents, tokens), p_rows, q_rows, kind, gen)
     return [tokens[i] for i in res.accepted] + [res.next_token]
 
 
@@ -331,7 +331,7 @@ def test_greedy_emits_the_target_greedy_tokens(shape, setting):
     for t in range(len(tokens)):
         rows = [0, *ids[t].tolist()]
         toks = tokens[t].tolist()
-        res = verify_tree(SHAPES[shape], toks, greedy_table[rows], None, "greedy", None)
+        res = verify_tree(Tree(SHAPES[shape], toks), greedy_table[rows], None, "greedy", None)
         emitted = [toks[i] for i in res.accepted] + [res.next_token]
         assert emitted == greedy_tokens[: len(emitted)]
         accepted_lengths.add(len(res.accepted))
@@ -358,7 +358,7 @@ def test_conditional_law_of_one_tree_matches_the_reference(kind):
     counts = np.zeros(len(cells))
     index = {c: i for i, c in enumerate(cells)}
     for _ in range(N):
-        res = verify_tree(shape, tokens, p_rows, q_rows, kind, g)
+        res = verify_tree(Tree(shape, tokens), p_rows, q_rows, kind, g)
         counts[index[(tuple(res.accepted), res.next_token)]] += 1  # KeyError: an impossible outcome
     probs = np.array([float(law[c]) for c in cells])
     assert stats.chi2.isf(ALPHA, len(cells) - 1) < stats.ncx2.isf(0.1, len(cells) - 1, N * 0.0036)
@@ -377,7 +377,7 @@ def test_expected_committed_tokens_of_a_chain():
     committed = []
 
     def counting_verifier(parents, tokens, p_rows, q_rows, rows, kind, gen):
-        res = verify_tree(parents, tokens, p_rows, q_rows, kind, gen)
+        res = verify_tree(Tree(parents, tokens), p_rows, q_rows, kind, gen)
         committed.append(len(res.accepted) + 1)
         return [tokens[i] for i in res.accepted] + [res.next_token]
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import eagle_tree as et
+from eagle_tree import Tree
 from eagle_tree.reference.tiny import tiny_causal_lm
 
 
@@ -35,7 +36,7 @@ def test_verify_tree(proposal):
     if proposal in ("with_replacement", "without_replacement"):
         draft_probs = torch.full((len(tokens) + 1, 4), 0.25)
     generator = torch.Generator().manual_seed(0)
-    res = et.verify_tree(parents, tokens, target_probs, draft_probs, proposal, generator)
+    res = et.verify_tree(Tree(parents, tokens), target_probs, draft_probs, proposal, generator)
     assert isinstance(res.accepted, list) and isinstance(res.next_token, int)
     node = -1
     for a in res.accepted:  # the accepted nodes form one root-to-node path

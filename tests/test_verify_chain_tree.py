@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from eagle_tree import Tree, verify_tree
-from eagle_tree.core.verify import PROPOSALS
+from eagle_tree.core.verify import VerifyRule
 
 V = 5
 SAMPLED = ("with_replacement", "without_replacement")
@@ -27,10 +27,11 @@ def law(*weights: float) -> torch.Tensor:
 
 
 def run(parents, tokens, p, q, kind, seed=0):
-    return verify_tree(parents, tokens, p, q, kind, torch.Generator().manual_seed(seed))
+    tree = parents if isinstance(parents, Tree) else Tree(parents, tokens)
+    return verify_tree(tree, p, q, kind, torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("kind", PROPOSALS)
+@pytest.mark.parametrize("kind", tuple(VerifyRule))
 @pytest.mark.parametrize("seed", range(5))
 def test_full_acceptance_then_bonus(kind, seed):
     """Target point masses on the chain's tokens: all accepted, bonus = the point mass after the leaf."""
@@ -40,7 +41,7 @@ def test_full_acceptance_then_bonus(kind, seed):
     assert res.accepted == [0, 1, 2] and res.next_token == 2
 
 
-@pytest.mark.parametrize("kind", PROPOSALS)
+@pytest.mark.parametrize("kind", tuple(VerifyRule))
 @pytest.mark.parametrize("seed", range(5))
 def test_forced_rejection_at_the_first_position(kind, seed):
     """p(token of node 0) = 0: nothing accepted; the correction comes from the target's support."""
@@ -54,7 +55,7 @@ def test_forced_rejection_at_the_first_position(kind, seed):
         assert res.next_token in (1, 2)
 
 
-@pytest.mark.parametrize("kind", PROPOSALS)
+@pytest.mark.parametrize("kind", tuple(VerifyRule))
 @pytest.mark.parametrize("seed", range(5))
 def test_forced_rejection_in_the_middle(kind, seed):
     """Node 0 certain (p = q = point mass), node 1 impossible (p = 0): accepted [0], correction != 2."""
@@ -65,7 +66,7 @@ def test_forced_rejection_in_the_middle(kind, seed):
     assert res.next_token in ((0,) if kind == "greedy" else (0, 1, 3))
 
 
-@pytest.mark.parametrize("kind", PROPOSALS)
+@pytest.mark.parametrize("kind", tuple(VerifyRule))
 @pytest.mark.parametrize("seed", range(5))
 def test_a_rejected_sibling_hands_over_to_the_next(kind, seed):
     """Root children 0 (token 1, impossible) and 1 (token 2, the target's point mass): node 1 is
@@ -112,8 +113,8 @@ def test_q_zero_where_p_positive_comes_out_through_the_residual():
 # ----------------------------------------------------------------------------- input checks
 
 
-def test_unknown_proposal():
-    with pytest.raises(ValueError, match="unknown proposal"):
+def test_unknown_rule():
+    with pytest.raises(ValueError, match="unknown verification rule"):
         run([-1], [0], torch.stack([law(1)] * 2), None, "sampled", 0)
 
 
@@ -153,3 +154,13 @@ def test_sampled_child_with_zero_draft_probability_is_an_error(kind):
 def test_malformed_tree_is_an_error():
     with pytest.raises(ValueError, match="parent"):
         run([0], [0], torch.stack([law(1)] * 2), None, "deterministic", 0)
+
+
+def test_verify_tree_takes_a_tree():
+    with pytest.raises(TypeError, match=r"takes a Tree"):
+        verify_tree([-1], torch.stack([law(1)] * 2), None, "deterministic", None)
+
+
+def test_rule_enum_accepts_its_string_values():
+    assert [VerifyRule.of(r.value) for r in VerifyRule] == list(VerifyRule)
+    assert VerifyRule.WITHOUT_REPLACEMENT.needs_draft_probs and not VerifyRule.DETERMINISTIC.needs_draft_probs

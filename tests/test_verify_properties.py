@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from eagle_tree import SamplingConfig, Tree, processed_probs, verify_tree
-from eagle_tree.core.verify import PROPOSALS
+from eagle_tree.core.verify import VerifyRule
 
 SETTINGS = settings(
     max_examples=100, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
@@ -42,7 +42,7 @@ def distributions(draw, vocab: int, greedy: bool) -> torch.Tensor:
 
 
 @st.composite
-def cases(draw, structure: str, proposals: tuple[str, ...] = PROPOSALS):
+def cases(draw, structure: str, proposals: tuple[str, ...] = tuple(VerifyRule)):
     """(parents, tokens, target_probs, draft_probs, proposal, seed) for a valid verify_tree call."""
     proposal = draw(st.sampled_from(proposals))
     n = draw(st.integers(1, 8))
@@ -94,7 +94,7 @@ def check_invariants(parents, tokens, p, result):
 
 def run(parents, tokens, p, q, proposal, seed):
     g = torch.Generator().manual_seed(seed)
-    result = verify_tree(parents, tokens, p, q, proposal, g)
+    result = verify_tree(Tree(parents, tokens), p, q, proposal, g)
     check_invariants(parents, tokens, p, result)
     return result
 
@@ -117,7 +117,7 @@ def test_greedy_follows_the_target_argmax(case):
     """Greedy: the path follows the first child carrying the target's argmax, and the next token is
     the argmax where the path stops, no child there carrying it."""
     parents, tokens, p, q, _, seed = case
-    result = verify_tree(parents, tokens, p, q, "greedy", torch.Generator().manual_seed(seed))
+    result = verify_tree(Tree(parents, tokens), p, q, "greedy", torch.Generator().manual_seed(seed))
     tree = Tree(parents, tokens)
 
     def argmax(row: int) -> int:  # smallest id on ties
@@ -171,8 +171,8 @@ def test_deterministic_ignores_the_draft_softmax(case):
     not must not change anything (same seed, same result)."""
     parents, tokens, p, q, _, seed = case
     q = torch.softmax(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed % 1000)), -1)
-    with_q = verify_tree(parents, tokens, p, q, "deterministic", torch.Generator().manual_seed(seed))
-    without = verify_tree(parents, tokens, p, None, "deterministic", torch.Generator().manual_seed(seed))
+    with_q = verify_tree(Tree(parents, tokens), p, q, "deterministic", torch.Generator().manual_seed(seed))
+    without = verify_tree(Tree(parents, tokens), p, None, "deterministic", torch.Generator().manual_seed(seed))
     assert with_q == without
     check_invariants(parents, tokens, p, with_q)
 

@@ -7,6 +7,7 @@ from collections import Counter
 
 import torch
 
+from eagle_tree.core.tree import Tree
 from eagle_tree.core.verify import verify_tree
 
 
@@ -24,7 +25,7 @@ def main(argv: list[str]) -> int:
     first, accepted = Counter(), 0
     for _ in range(args.samples):
         x = int(torch.multinomial(q, 1, generator=draft_gen))
-        res = verify_tree([-1], [x], rows, torch.stack([q, q]), "with_replacement", verify_gen)
+        res = verify_tree(Tree([-1], [x]), rows, torch.stack([q, q]), "with_replacement", verify_gen)
         accepted += bool(res.accepted)
         first[x if res.accepted else res.next_token] += 1
     print("target p = (0.5, 0.3, 0.2), draft q = (0.2, 0.2, 0.6), one sampled proposal")

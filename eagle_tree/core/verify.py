@@ -12,15 +12,40 @@ Pure tensor code: no model, cache or tokenizer. The verifier draws from its own 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 
 from eagle_tree.core.sampling import greedy_token
 from eagle_tree.core.tree import ROOT, Tree
 
-PROPOSALS = ("greedy", "deterministic", "with_replacement", "without_replacement")
+
+class VerifyRule(str, Enum):
+    """How the children of every node were proposed, which fixes the exact acceptance rule.
+
+    GREEDY: temperature 0; a child is accepted iff it is the target's argmax (no randomness).
+    DETERMINISTIC: children are point masses (top-k of the draft); ratio ``r(x)``, residual zeroes ``x``.
+    WITH_REPLACEMENT: children drawn i.i.d. from ``q``; ratio ``r(x) / q(x)``, residual ``(r - q)_+``.
+    WITHOUT_REPLACEMENT: children drawn from ``q`` with earlier siblings removed (Gumbel-top-k); as
+    WITH_REPLACEMENT, with ``q`` renormalised after zeroing each rejected sibling.
+    """
+
+    GREEDY = "greedy"
+    DETERMINISTIC = "deterministic"
+    WITH_REPLACEMENT = "with_replacement"
+    WITHOUT_REPLACEMENT = "without_replacement"
+
+    @classmethod
+    def of(cls, value: VerifyRule | str) -> VerifyRule:
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"unknown verification rule {value!r}; expected one of {[r.value for r in cls]}") from None
+
+    @property
+    def needs_draft_probs(self) -> bool:
+        return self in (VerifyRule.WITH_REPLACEMENT, VerifyRule.WITHOUT_REPLACEMENT)
 
 
 @dataclass
@@ -47,9 +72,9 @@ def _sample(dist: torch.Tensor, generator: torch.Generator | None) -> int:
     return index
 
 
-def _check_inputs(tree: Tree, target_probs, draft_probs, proposal: str) -> None:
-    if proposal not in PROPOSALS:
-        raise ValueError(f"unknown proposal {proposal!r}; expected one of {PROPOSALS}")
+def _check_inputs(tree: Tree, target_probs, draft_probs, rule: VerifyRule) -> None:
+    if not isinstance(tree, Tree):
+        raise TypeError(f"verify_tree takes a Tree (Tree(parents, tokens)), got {type(tree).__name__}")
     n = len(tree)
     if target_probs.dim() != 2 or target_probs.shape[0] != n + 1:
         raise ValueError(
@@ -59,9 +84,9 @@ def _check_inputs(tree: Tree, target_probs, draft_probs, proposal: str) -> None:
     vocab = target_probs.shape[1]
     if any(t >= vocab for t in tree.tokens):
         raise ValueError(f"a tree token id is >= the vocabulary size {vocab}")
-    if proposal in ("with_replacement", "without_replacement"):
+    if rule.needs_draft_probs:
         if draft_probs is None:
-            raise ValueError(f"proposal {proposal!r} needs draft_probs, the law the children were drawn from")
+            raise ValueError(f"rule {rule.value!r} needs draft_probs, the law the children were drawn from")
         if tuple(draft_probs.shape) != tuple(target_probs.shape):
             raise ValueError(
                 f"draft_probs must have the shape of target_probs {tuple(target_probs.shape)}, "
@@ -70,11 +95,10 @@ def _check_inputs(tree: Tree, target_probs, draft_probs, proposal: str) -> None:
 
 
 def verify_tree(
-    parents: Sequence[int] | torch.Tensor | Tree,
-    tokens: Sequence[int] | torch.Tensor | None,
+    tree: Tree,
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor | None,
-    proposal: str,
+    rule: VerifyRule | str,
     generator: torch.Generator | None,
 ) -> VerifyResult:
     """Walk the tree from the root and return the accepted path and the next token.
@@ -84,18 +108,18 @@ def verify_tree(
     "greedy" and "deterministic"). For "greedy" the target's choice at a row is its argmax
     (smallest id on ties) and no randomness is drawn.
     """
-    tree = parents if isinstance(parents, Tree) else Tree(parents, tokens)
-    _check_inputs(tree, target_probs, draft_probs, proposal)
+    rule = VerifyRule.of(rule)
+    _check_inputs(tree, target_probs, draft_probs, rule)
     # Rows are converted to float64 when visited: the walk reads about depth + 1 of the n + 1 rows.
     p_all = _Rows(target_probs)
-    q_all = None if draft_probs is None or proposal in ("greedy", "deterministic") else _Rows(draft_probs)
+    q_all = _Rows(draft_probs) if draft_probs is not None and rule.needs_draft_probs else None
 
     accepted: list[int] = []
     node = ROOT
     while True:
         row = node + 1
         kids = tree.children[node]
-        if proposal == "greedy":
+        if rule is VerifyRule.GREEDY:
             choice = int(greedy_token(p_all[row]))
             match = next((c for c in kids if tree.tokens[c] == choice), None)
             if match is None:
@@ -105,7 +129,7 @@ def verify_tree(
             continue
         if not kids:  # bonus token from p at the accepted leaf
             return VerifyResult(accepted, _sample(p_all[row], generator))
-        child, residual = _check_children(kids, tree.tokens, p_all[row], q_all, row, proposal, generator)
+        child, residual = _check_children(kids, tree.tokens, p_all[row], q_all, row, rule, generator)
         if child is None:  # every child rejected: correction from the residual
             return VerifyResult(accepted, _sample(residual, generator))
         accepted.append(child)
@@ -122,13 +146,14 @@ class _Rows:
         return self.table[row].to("cpu", torch.float64)
 
 
-def _check_children(kids, tokens, p, q_all, row, proposal, generator):
+def _check_children(kids, tokens, p, q_all, row, rule: VerifyRule, generator):
     """Branch-wise residual over the children of one node. Returns (accepted child or None, r)."""
     r = p.clone()
-    q = None if q_all is None or proposal == "deterministic" else q_all[row].clone()
+    point_mass = rule is VerifyRule.DETERMINISTIC
+    q = None if q_all is None or point_mass else q_all[row].clone()
     for c in kids:
         x = tokens[c]
-        if proposal == "deterministic":
+        if point_mass:
             ratio = r[x]  # Q_k is a point mass on x
         else:
             if q[x] <= 0:
@@ -140,12 +165,12 @@ def _check_children(kids, tokens, p, q_all, row, proposal, generator):
         u = torch.rand((), generator=generator, dtype=torch.float64)
         if u < ratio:
             return c, r
-        if proposal == "deterministic":
+        if point_mass:
             r[x] = 0.0
             new_r = _normalise(r)
         else:
             new_r = _normalise((r - q).clamp_min(0.0))
-            if proposal == "without_replacement":
+            if rule is VerifyRule.WITHOUT_REPLACEMENT:
                 q[x] = 0.0
                 q = _normalise(q)
                 if q is None:  # every token of q has been proposed: no further sibling can exist
@@ -154,3 +179,11 @@ def _check_children(kids, tokens, p, q_all, row, proposal, generator):
         # certain; in floating point it can vanish, and then r itself is the only sound law left.
         r = new_r if new_r is not None else r
     return None, r
+
+
+def sample_token(probs: torch.Tensor, greedy: bool, generator: torch.Generator | None) -> int:
+    """One token from a processed distribution (V,): the argmax (smallest id on ties) when ``greedy``,
+    else an inverse-CDF draw from ``generator``. The decoder's first token after the prefill is drawn
+    so: the rule the verifier applies at an accepted node without children."""
+    row = probs.detach().reshape(-1).to("cpu", torch.float64)
+    return int(greedy_token(row)) if greedy else _sample(row, generator)

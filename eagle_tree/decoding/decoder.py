@@ -21,7 +21,7 @@ import torch
 
 from eagle_tree.core.sampling import SamplingConfig, processed_probs
 from eagle_tree.core.tree import Tree
-from eagle_tree.core.verify import verify_tree
+from eagle_tree.core.verify import sample_token, verify_tree
 from eagle_tree.decoding.drafting import Drafter, Proposal, TreeConfig
 from eagle_tree.models.target import TargetModel
 
@@ -119,8 +119,7 @@ class SpeculativeDecoder:
         cache = self.target.new_cache()
         prompt = input_ids.to(device)
         out = self.target.prefill(prompt, cache)
-        first = verify_tree(Tree([], []), None, processed_probs(out.logits[0, -1:], sampling), None,
-                            "greedy" if sampling.greedy else "deterministic", verifier_gen).next_token
+        first = sample_token(processed_probs(out.logits[0, -1], sampling), sampling.greedy, verifier_gen)
         tokens = prompt[0].tolist() + [first]
         result = GenerateOutput(input_ids, prompt.shape[1])
         result.prefill_s = time.perf_counter() - start
@@ -142,7 +141,7 @@ class SpeculativeDecoder:
             out = self.target.verify(tokens[-1], tree, cache)  # 2. verify
             t2 = time.perf_counter()
             p = processed_probs(out.logits[0], sampling)  # 3. accept
-            res = verify_tree(tree, None, p, proposal.draft_probs, proposal.proposal, verifier_gen)
+            res = verify_tree(tree, p, proposal.draft_probs, proposal.rule, verifier_gen)
             new = [tree.tokens[a] for a in res.accepted] + [res.next_token]
             room = max_new_tokens - (len(tokens) - prompt.shape[1])
             new = new[:room]  # 4. update: the length limit, then EOS, cut the path
@@ -172,4 +171,4 @@ class SpeculativeDecoder:
 
 
 def _empty_proposal(sampling: SamplingConfig) -> Proposal:
-    return Proposal(Tree([], []), None, "greedy" if sampling.greedy else "deterministic")
+    return Proposal(Tree([], []), None, TreeConfig.chain(1).rule(sampling))

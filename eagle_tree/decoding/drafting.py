@@ -23,6 +23,7 @@ import torch
 
 from eagle_tree.core.sampling import SamplingConfig, processed_probs
 from eagle_tree.core.tree import Tree
+from eagle_tree.core.verify import VerifyRule
 from eagle_tree.models.head import Eagle3DraftModel
 
 
@@ -57,11 +58,11 @@ class TreeConfig:
     def is_chain(self) -> bool:
         return self.top_k == 1
 
-    def proposal(self, sampling: SamplingConfig) -> str:
+    def rule(self, sampling: SamplingConfig) -> VerifyRule:
         """The verification rule that is exact for drafts of this shape under ``sampling``."""
         if sampling.greedy:
-            return "greedy"
-        return "without_replacement" if self.sampled else "deterministic"
+            return VerifyRule.GREEDY
+        return VerifyRule.WITHOUT_REPLACEMENT if self.sampled else VerifyRule.DETERMINISTIC
 
 
 @dataclass
@@ -70,7 +71,7 @@ class Proposal:
 
     tree: Tree
     draft_probs: torch.Tensor | None  # (n + 1, V_target) for sampled trees, else None
-    proposal: str
+    rule: VerifyRule
 
 
 class DraftCache:
@@ -177,7 +178,7 @@ class Drafter:
             draft_probs = torch.zeros(len(tokens) + 1, vocab, dtype=torch.float32)
             for row, q in q_rows.items():
                 draft_probs[row, d2t.cpu()] = q.cpu()
-        return Proposal(Tree(parents, target_tokens), draft_probs, cfg.proposal(sampling))
+        return Proposal(Tree(parents, target_tokens), draft_probs, cfg.rule(sampling))
 
 
 class _TreeGrowth:
