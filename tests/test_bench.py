@@ -9,16 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle_tree.bench.runner import (
-    PLAIN,
-    BenchModels,
-    Method,
-    PeakMemory,
-    PhaseResult,
-    hf_generate,
-    interleaved_schedule,
-    method_rows,
-)
+from eagle_tree.bench.aggregate import method_rows
+from eagle_tree.bench.hf import hf_generate
+from eagle_tree.bench.memory import PeakMemory
+from eagle_tree.bench.runner import PLAIN, BenchModels, Method, PhaseResult, interleaved_schedule
 from eagle_tree.commands.bench import BenchConfig, build_tiny_assets, main
 from eagle_tree.commands.decode import DecodeConfig, load_models
 from eagle_tree.core.sampling import SamplingConfig

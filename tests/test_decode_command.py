@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import eagle_tree as et
-from eagle_tree.commands.decode import main, read_prompts
+from eagle_tree.commands.decode import main
 from eagle_tree.reference.tiny import char_tokenizer, tiny_causal_lm
+from eagle_tree.utils.prompts import PromptError, read_prompts
 from eagle_tree.utils.wandb_records import read_run
 
 
@@ -64,7 +65,7 @@ def test_prompt_file_errors(tmp_path):
     bad.write_text(json.dumps({"text": "x"}))
     with pytest.raises(ValueError, match="expected a 'prompt' field"):
         read_prompts(bad)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(PromptError, match="does not exist"):
         read_prompts(tmp_path / "missing.jsonl")
 
 

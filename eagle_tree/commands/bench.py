@@ -188,14 +188,14 @@ def candidate_shapes(cfg: BenchConfig) -> list[TreeConfig]:
 
 def tune_shapes(cfg: BenchConfig, models, tuning_ids, out_dir: Path, **common):
     """Run every candidate shape on the tuning prompts; write shapes.json; return (its dict, selection)."""
-    from eagle_tree.bench import runner as bench
+    from eagle_tree.bench.aggregate import shape_measurements
+    from eagle_tree.bench.runner import eagle_method, run_phase
     from eagle_tree.decoding.shapes import save_tuned_shapes, selection
 
     shapes = candidate_shapes(cfg)
     print(f"tuning {len(shapes)} shapes on {len(tuning_ids)} prompts x {cfg.tuning_repeats} ({cfg.tuning_prompts})")
-    result = bench.run_phase("tuning", [bench.eagle_method(s) for s in shapes], models, tuning_ids,
-                             cfg.tuning_repeats, **common)
-    measured = bench.shape_measurements(result)
+    result = run_phase("tuning", [eagle_method(s) for s in shapes], models, tuning_ids, cfg.tuning_repeats, **common)
+    measured = shape_measurements(result)
     tuning = save_tuned_shapes(out_dir / "shapes.json", measured, temperature=cfg.sampling.temperature,
                                prompts=cfg.tuning_prompts, n_prompts=len(tuning_ids),
                                max_new_tokens=cfg.max_new_tokens, target=cfg.target, head=cfg.head)
@@ -206,8 +206,10 @@ def main(argv: list[str]) -> int:
     cfg = parse_cli(BenchConfig, argv, prog="eagle-tree bench")
     import torch
 
-    from eagle_tree.bench import runner as bench
-    from eagle_tree.commands.decode import read_prompts
+    from eagle_tree.bench.aggregate import method_rows
+    from eagle_tree.bench.machine import conditions
+    from eagle_tree.bench.runner import eagle_method, run_phase
+    from eagle_tree.utils.prompts import read_prompts
     from eagle_tree.utils.tracking import RunLogger
 
     if cfg.tiny_assets:
@@ -237,15 +239,15 @@ def main(argv: list[str]) -> int:
             shapes = list(dict.fromkeys(chosen[k].tree for k in ("chain", "tree") if k in chosen))
 
     # 2. the comparison on the test prompts
-    methods = baseline_methods(cfg) + [bench.eagle_method(s) for s in shapes]
+    methods = baseline_methods(cfg) + [eagle_method(s) for s in shapes]
     print(f"comparing {len(methods)} methods on {len(test_texts)} prompts x {cfg.repeats} ({cfg.test_prompts})")
-    result = bench.run_phase("test", methods, models, encode(test_texts), cfg.repeats, **common)
-    rows = bench.method_rows(result, cfg.sampling)
+    result = run_phase("test", methods, models, encode(test_texts), cfg.repeats, **common)
+    rows = method_rows(result, cfg.sampling)
     for row in rows:
         row["selected_as"] = sorted(k for k, m in chosen.items() if row["tree"] and m.name == row["method"])
 
     # 3. the report
-    report = {"conditions": bench.conditions(models, cfg.dtype), "config": config_to_dict(cfg), "tuning": tuning,
+    report = {"conditions": conditions(models, cfg.dtype), "config": config_to_dict(cfg), "tuning": tuning,
               "methods": rows, "schedule": result.schedule, "notes": NOTES}
     (out_dir / "bench.json").write_text(json.dumps(_json_safe(report), indent=2, allow_nan=False))
     table = markdown_report(report)

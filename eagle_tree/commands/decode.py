@@ -58,24 +58,6 @@ class DecodeConfig:
     """Weights & Biases logging."""
 
 
-def read_prompts(path: str | Path) -> list[str]:
-    """Prompts from a .jsonl file (field `prompt`) or a text file (one per line)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompt file {str(path)!r} does not exist")
-    if path.suffix == ".jsonl":
-        prompts = []
-        for i, line in enumerate(path.read_text().splitlines()):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if "prompt" not in row:
-                raise ValueError(f"{path}:{i + 1}: expected a 'prompt' field, found {sorted(row)}")
-            prompts.append(row["prompt"])
-        return prompts
-    return [line for line in path.read_text().splitlines() if line.strip()]
-
-
 def load_models(cfg: DecodeConfig):
     """(SpeculativeDecoder, tokenizer) for the config."""
     import torch
@@ -115,6 +97,7 @@ def main(argv: list[str]) -> int:
     import torch
 
     from eagle_tree.decoding.metrics import summarize
+    from eagle_tree.utils.prompts import read_prompts
     from eagle_tree.utils.tracking import RunLogger
 
     decoder, tokenizer = load_models(cfg)

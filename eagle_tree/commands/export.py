@@ -3,14 +3,17 @@
 CHECKPOINT is a head folder in any layout eagle-tree reads (its own ``save_pretrained``, EAGLE-3,
 SGLang or vLLM speculators). The export is validated (weights present with the shapes the config
 implies, ``d2t`` / ``t2d`` agreeing, the engine's view of the feature layers equal to the head's, and
-with ``--target`` the head against the target's config) and then written atomically. Exit status 2
+with ``target`` the head against the target's config) and then written atomically. Exit status 2
 and nothing written when a check fails.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
+from dataclasses import dataclass
+from typing import Literal
+
+from eagle_tree.commands.flags import parse_flags
 
 NEXT_STEP = {
     "vllm": "vllm serve {target} --speculative-config "
@@ -22,48 +25,55 @@ NEXT_STEP = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from eagle_tree.models.layouts import LAYOUTS
+@dataclass
+class ExportConfig:
+    """Write a draft head in the layout a serving engine loads (EAGLE-3, SGLang or vLLM speculators),
+    validated first, atomically. See docs/INTEROP.md.
 
-    p = argparse.ArgumentParser(
-        prog="eagle-tree export",
-        description="Write a draft head in the layout a serving engine loads (EAGLE-3, SGLang or vLLM "
-                    "speculators), validated first, atomically. See docs/INTEROP.md.",
-    )
-    p.add_argument("--to", required=True, choices=LAYOUTS, help="layout to write")
-    p.add_argument("checkpoint", help="head folder to read (config.json + model.safetensors)")
-    p.add_argument("out", help="folder to write; replaced atomically if it exists")
-    p.add_argument("--target", help="target model folder or hub id: the head is checked against its config, "
-                                    "which also resolves the default feature layers of heads that name none")
-    p.add_argument("--verifier", help="vLLM: the verifier's name or path written into the config "
-                                      "(default: --target)")
-    p.add_argument("--speculative-tokens", type=int, default=3, help="vLLM: default draft tokens per step")
-    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), help="cast the weights (default: keep)")
-    return p
+    eagle-tree export --to LAYOUT CHECKPOINT OUT [--target T] [--dtype D] [--overwrite]
+    eagle-tree export to=LAYOUT checkpoint=CHECKPOINT out=OUT [key=value ...]     (the same)"""
+
+    to: Literal["eagle3", "sglang", "vllm"]
+    """Layout to write."""
+    checkpoint: str
+    """Head folder to read (config.json + model.safetensors), any layout eagle-tree reads."""
+    out: str
+    """Folder to write: absent, empty, or an earlier export of the same layout (replaced atomically)."""
+    target: str | None = None
+    """Target model folder or hub id: the head is checked against its config, which also resolves the
+    default feature layers of heads that name none."""
+    verifier: str | None = None
+    """vLLM: the verifier's name or path written into the config (default: target)."""
+    speculative_tokens: int = 3
+    """vLLM: default draft tokens per step."""
+    dtype: Literal["float32", "float16", "bfloat16"] | None = None
+    """Cast the weights (default: keep)."""
+    overwrite: bool = False
+    """Replace `out` even when it holds something else than an earlier export of this layout."""
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    cfg = parse_flags(ExportConfig, argv, prog="eagle-tree export", positional=("checkpoint", "out"))
     import torch
 
     from eagle_tree.models.layouts import export_head, read_head
 
     try:
         target_config, layers = None, None
-        if args.target:
+        if cfg.target:
             from transformers import AutoConfig
 
-            target_config = AutoConfig.from_pretrained(args.target)
+            target_config = AutoConfig.from_pretrained(cfg.target)
             layers = target_config.get_text_config(decoder=True).num_hidden_layers
-        head = read_head(args.checkpoint, target_num_layers=layers)
-        out = export_head(head, args.out, args.to, target_config=target_config,
-                          verifier=args.verifier or args.target, speculative_tokens=args.speculative_tokens,
-                          dtype=getattr(torch, args.dtype) if args.dtype else None)
+        head = read_head(cfg.checkpoint, target_num_layers=layers)
+        out = export_head(head, cfg.out, cfg.to, target_config=target_config,
+                          verifier=cfg.verifier or cfg.target, speculative_tokens=cfg.speculative_tokens,
+                          dtype=getattr(torch, cfg.dtype) if cfg.dtype else None)
     except (ValueError, OSError) as exc:
         print(f"eagle-tree export: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote the {args.to} layout of {args.checkpoint} to {out}")
-    print("next: " + NEXT_STEP[args.to].format(target=args.target or "TARGET", out=out, k=args.speculative_tokens))
+    print(f"wrote the {cfg.to} layout of {cfg.checkpoint} to {out}")
+    print("next: " + NEXT_STEP[cfg.to].format(target=cfg.target or "TARGET", out=out, k=cfg.speculative_tokens))
     return 0
 
 

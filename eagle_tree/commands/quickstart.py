@@ -101,12 +101,12 @@ def compare(cfg: QuickstartConfig, head_dir: Path):
     import torch
     from transformers import AutoTokenizer
 
-    from eagle_tree.commands.decode import read_prompts
     from eagle_tree.core.sampling import SamplingConfig
     from eagle_tree.decoding.decoder import SpeculativeDecoder
     from eagle_tree.decoding.metrics import summarize
     from eagle_tree.models.head import Eagle3DraftModel
     from eagle_tree.models.target import TargetModel
+    from eagle_tree.utils.prompts import read_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.target)
     head_layers = json.loads((head_dir / "config.json").read_text()).get("feature_layers")

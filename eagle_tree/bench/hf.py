@@ -1,0 +1,154 @@
+"""Hugging Face ``generate`` observed from outside, as a :class:`GenerateOutput`.
+
+A streamer (:class:`HFRecorder`) timestamps each ``put()`` (the first is the prompt, each later one
+holds the tokens one target forward committed), and forward hooks on the target and the assistant
+time their forwards and read the number of tokens each target forward verified. The first target
+forward is the prefill (for assisted generation and prompt lookup it also verifies a first draft);
+as in eagle-tree's loop its tokens count as output and set the time to first token, but it is not a
+round. Each later forward is a round: committed = tokens streamed, accepted = committed - 1,
+tree_size = draft tokens verified, verify_s = the target forward, draft_s = assistant forwards,
+other_s = the rest of the time between two puts.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from eagle_tree.core.sampling import SamplingConfig
+from eagle_tree.decoding.decoder import GenerateOutput, RoundStats
+
+
+class _ForwardClock:
+    """Forward hooks on one module: seconds spent in its forwards, and the last input length."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.elapsed = 0.0
+        self.last_input_len = 0
+        self._t0 = 0.0
+        self._handles: list = []
+
+    def _pre(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.last_input_len = int(ids.shape[-1]) if ids is not None else 0
+        self._t0 = time.perf_counter()
+
+    def _post(self, module, args, kwargs, output):
+        self.elapsed += time.perf_counter() - self._t0
+
+    def attach(self) -> None:
+        self._handles = [self.module.register_forward_pre_hook(self._pre, with_kwargs=True),
+                         self.module.register_forward_hook(self._post, with_kwargs=True)]
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def take(self) -> float:
+        elapsed, self.elapsed = self.elapsed, 0.0
+        return elapsed
+
+
+class HFRecorder(BaseStreamer):
+    """A streamer (pass as ``streamer=``) that turns one ``generate`` call into a GenerateOutput.
+
+    Use as a context manager around the call: it attaches the forward hooks and starts the clock.
+    """
+
+    def __init__(self, target: torch.nn.Module, assistant: torch.nn.Module | None = None):
+        if assistant is target:
+            raise ValueError("the assistant must be a separate model object (load it a second time)")
+        self.target = _ForwardClock(target)
+        self.assistant = _ForwardClock(assistant) if assistant is not None else None
+        self.start = 0.0
+        self.prompt_seen = False
+        self.last_put = 0.0
+        self.prefill_s: float | None = None
+        self.rounds: list[RoundStats] = []
+        self.token_times: list[float] = []
+        self.tokens: list[int] = []
+
+    def __enter__(self) -> HFRecorder:
+        for clock in (self.target, self.assistant):
+            if clock is not None:
+                clock.attach()
+        self.start = self.last_put = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for clock in (self.target, self.assistant):
+            if clock is not None:
+                clock.detach()
+
+    def put(self, value: torch.Tensor) -> None:
+        now = time.perf_counter()
+        if not self.prompt_seen:  # generate streams the prompt first
+            self.prompt_seen = True
+            return
+        new = value.reshape(-1).tolist()
+        verify_s = self.target.take()
+        draft_s = self.assistant.take() if self.assistant is not None else 0.0
+        if self.prefill_s is None:
+            self.prefill_s = now - self.start
+        else:
+            round_s = now - self.last_put
+            other_s = max(round_s - verify_s - draft_s, 0.0)
+            tree_size = max(self.target.last_input_len - 1, 0)
+            self.rounds.append(RoundStats(len(new) - 1, len(new), tree_size, draft_s, verify_s, other_s))
+        self.last_put = now
+        self.tokens += new
+        self.token_times += [now - self.start] * len(new)
+
+    def end(self) -> None:
+        pass
+
+    def output(self, input_ids: torch.Tensor, eos: set[int], total_s: float) -> GenerateOutput:
+        sequences = torch.cat([input_ids.cpu(), torch.tensor([self.tokens], dtype=torch.long)], dim=1)
+        out = GenerateOutput(sequences, input_ids.shape[1], rounds=self.rounds, prefill_s=self.prefill_s or 0.0,
+                             total_s=total_s, token_times=self.token_times)
+        out.stopped_by = "eos" if self.tokens and self.tokens[-1] in eos else "length"
+        return out
+
+
+def hf_generate(
+    model,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    seed: int = 0,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+    assistant=None,
+    prompt_lookup_tokens: int | None = None,
+) -> GenerateOutput:
+    """One Hugging Face ``generate`` call (batch 1), observed by an :class:`HFRecorder`.
+
+    Every sampling field is passed explicitly (and ``eos_token_id=None`` disables EOS), so the
+    model's own generation config cannot change the settings; ``seed`` seeds the global RNG. The
+    assistant drafts by its own ``generation_config`` (draft length, schedule, confidence stop), which
+    HF's "heuristic" schedule updates in place after each call (BenchModels restores it per call).
+    """
+    input_ids = input_ids.to(model.device)
+    kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, num_beams=1,
+                                  pad_token_id=pad_token_id if pad_token_id is not None else eos_token_id)
+    if sampling.greedy:
+        kwargs["do_sample"] = False
+    else:
+        kwargs.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+    if assistant is not None:
+        kwargs["assistant_model"] = assistant
+    if prompt_lookup_tokens is not None:
+        kwargs["prompt_lookup_num_tokens"] = prompt_lookup_tokens
+    torch.manual_seed(seed)
+    recorder = HFRecorder(model, assistant)
+    with recorder:
+        model.generate(input_ids, attention_mask=torch.ones_like(input_ids), streamer=recorder, **kwargs)
+        if input_ids.device.type == "cuda":
+            torch.cuda.synchronize(input_ids.device)
+        total_s = time.perf_counter() - recorder.start
+    return recorder.output(input_ids, {eos_token_id} if eos_token_id is not None else set(), total_s)
