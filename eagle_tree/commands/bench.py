@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from eagle_tree.core.sampling import SamplingConfig
+from eagle_tree.commands.decode import CommandSampling, check_range
 from eagle_tree.decoding.drafting import TreeConfig
 from eagle_tree.utils.config import config_to_dict, parse_cli, save_config
 from eagle_tree.utils.tracking import WandbConfig
@@ -51,7 +51,10 @@ class BenchConfig:
     """Use only the first N test prompts."""
     max_new_tokens: int = 64
     """Output budget per prompt, the same for every method."""
-    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))
+    truncate_prompts: Literal["off", "left"] = "off"
+    """A prompt that leaves less than max_new_tokens of the target's positions is refused (off) or cut to
+    its last tokens (left)."""
+    sampling: CommandSampling = field(default_factory=CommandSampling)
     """temperature (0 = greedy), top_k (0 = off), top_p (1.0 = off); the same for every method."""
     seed: int = 0
     """Seed of prompt p is seed + p, in every method and repeat."""
@@ -85,7 +88,10 @@ class BenchConfig:
     assistant_tokens: int | None = None
     """Fixed draft length for HF assisted generation, without HF's confidence stop (null: HF's own heuristics)."""
     output_dir: str = "results/bench"
-    """Where bench.json, bench.md, the plots, shapes.json and config.yaml go."""
+    """Where bench.json, bench.md, the plots, shapes.json and config.yaml go (a new or empty folder, or an
+    earlier bench's: files of the same names that something else wrote are never replaced)."""
+    overwrite: bool = False
+    """Write into `output_dir` even when it holds files of these names that an earlier bench did not write."""
     tiny_assets: str | None = None
     """Build tiny random models and prompts in this folder (once) and use them instead of the paths above."""
     plots: bool = True
@@ -94,6 +100,17 @@ class BenchConfig:
     """Print one line per generate call."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Weights & Biases logging of the summary and plots."""
+
+    def __post_init__(self) -> None:
+        for name in ("tuning_limit", "test_limit"):
+            check_range(name, getattr(self, name), 1, allow_none=True, meaning="all prompts")
+        for name in ("max_new_tokens", "repeats", "tuning_repeats", "prompt_lookup_tokens"):
+            check_range(name, getattr(self, name), 1)
+        check_range("warmup", self.warmup, 0)
+        check_range("threads", self.threads, 1, allow_none=True, meaning="torch's default")
+        check_range("assistant_tokens", self.assistant_tokens, 1, allow_none=True, meaning="HF's heuristics")
+        for i, n in enumerate(self.chain_lengths):
+            check_range(f"chain_lengths[{i}]", n, 1)
 
 
 TINY_PROMPTS = {
@@ -106,21 +123,22 @@ TINY_PROMPTS = {
 
 def build_tiny_assets(folder: str | Path) -> dict[str, Path]:
     """A tiny random Llama (char tokenizer), an untrained head, the target's own weights as the
-    assistant, and tuning / test prompt files, built once in ``folder``; returns their paths."""
-    import shutil
-    import tempfile
+    assistant, and tuning / test prompt files, built once in ``folder`` (new or empty; a folder that
+    holds anything else is refused, never cleared); returns their paths."""
+    from eagle_tree.utils.atomic import atomic_dir
+    from eagle_tree.utils.outputs import check_output_dir
 
     folder = Path(folder)
     paths = {"target": folder / "target", "head": folder / "head", "assistant": folder / "assistant",
              "tuning_prompts": folder / "tuning.jsonl", "test_prompts": folder / "test.jsonl"}
     if (folder / "COMPLETE").is_file():
         return paths
+    check_output_dir(folder, "the tiny bench assets (tiny_assets=)", writes=[p.name for p in paths.values()],
+                     replaces_folder=True, option=None)
     from eagle_tree.models.head import Eagle3DraftModel
     from eagle_tree.reference.tiny import char_tokenizer, tiny_causal_lm
 
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
+    with atomic_dir(folder) as tmp:
         tok = char_tokenizer()
         model = tiny_causal_lm("llama", vocab_size=len(tok), num_layers=4, attn_implementation="sdpa",
                                eos_token_id=tok.eos_token_id, bos_token_id=None, pad_token_id=tok.unk_token_id)
@@ -131,10 +149,6 @@ def build_tiny_assets(folder: str | Path) -> dict[str, Path]:
         for split, prompts in TINY_PROMPTS.items():
             (tmp / f"{split}.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
         (tmp / "COMPLETE").write_text("tiny bench assets\n")
-        shutil.rmtree(folder, ignore_errors=True)
-        tmp.rename(folder)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return paths
 
 
@@ -144,21 +158,25 @@ def load_bench_models(cfg: BenchConfig):
 
     from eagle_tree.bench.runner import BenchModels
     from eagle_tree.commands.decode import DecodeConfig, load_models
+    from eagle_tree.utils.checks import InputError, check_finite_weights, check_target_path
 
     wants_head = any(m in cfg.methods for m in ("chain", "tree"))
     if wants_head and cfg.head is None:
-        raise ValueError("methods chain / tree need a draft head: set head=PATH or drop them from `methods`")
+        raise InputError("methods chain / tree need a draft head: set head=PATH or drop them from `methods`")
+    if "hf_assisted" in cfg.methods:
+        if cfg.assistant is None:
+            raise InputError("method hf_assisted needs an assistant model: set assistant=PATH or drop it")
+        check_target_path(cfg.assistant, "assistant")
     head = cfg.head if wants_head else None
     decoder, tokenizer = load_models(DecodeConfig(target=cfg.target, head=head, mode="tree" if head else "plain",
                                                   dtype=cfg.dtype))
     target, draft = decoder.target, decoder.draft
     assistant = None
     if "hf_assisted" in cfg.methods:
-        if cfg.assistant is None:
-            raise ValueError("method hf_assisted needs an assistant model: set assistant=PATH or drop it")
         from transformers import AutoModelForCausalLM
 
         assistant = AutoModelForCausalLM.from_pretrained(cfg.assistant, dtype=getattr(torch, cfg.dtype)).eval()
+        check_finite_weights(assistant, f"the assistant model in {cfg.assistant}")
     if cfg.device != "cpu":
         target.model.to(cfg.device)
         for module in (draft, assistant):
@@ -204,44 +222,62 @@ def tune_shapes(cfg: BenchConfig, models, tuning_ids, out_dir: Path, **common):
 
 def main(argv: list[str]) -> int:
     cfg = parse_cli(BenchConfig, argv, prog="eagle-tree bench")
+    from eagle_tree.utils.checks import InputError
+
+    try:
+        return run(cfg)
+    except InputError as exc:
+        print(f"eagle-tree bench: {exc}", file=sys.stderr)
+        return 2
+
+
+def run(cfg: BenchConfig) -> int:
+    """Check the output folder and read the prompts, load the models, check the prompts against the
+    target, then tune, compare and report."""
     import torch
 
     from eagle_tree.bench.aggregate import method_rows
     from eagle_tree.bench.machine import conditions
     from eagle_tree.bench.runner import eagle_method, run_phase
-    from eagle_tree.utils.prompts import read_prompts
+    from eagle_tree.commands.decode import encode
+    from eagle_tree.utils.checks import InputError
+    from eagle_tree.utils.outputs import check_output_dir, mark_output_dir
+    from eagle_tree.utils.prompts import read_prompt_file
     from eagle_tree.utils.tracking import RunLogger
 
+    out_dir = Path(cfg.output_dir)
+    check_output_dir(out_dir, BENCH_KIND, writes=BENCH_FILES, overwrite=cfg.overwrite, recognise=_is_old_bench)
     if cfg.tiny_assets:
         for key, path in build_tiny_assets(cfg.tiny_assets).items():
             setattr(cfg, key, str(path))
+    shapes, tuning, chosen = candidate_shapes(cfg), None, {}
+    test_prompts = read_prompt_file(cfg.test_prompts)[: cfg.test_limit]
+    tuning_prompts = read_prompt_file(cfg.tuning_prompts)[: cfg.tuning_limit] if shapes else []
+    shared = {p.text for p in tuning_prompts} & {p.text for p in test_prompts}
+    if shared:
+        raise InputError(f"{len(shared)} prompt(s) appear in both {cfg.tuning_prompts} and {cfg.test_prompts}: "
+                         "tune on other prompts than the ones reported")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    out_dir = Path(cfg.output_dir)
-    save_config(cfg, out_dir / "config.yaml")
     models = load_bench_models(cfg)
+    test_ids, tuning_ids = (encode(prompts, models.target, models.tokenizer, cfg.max_new_tokens, cfg.truncate_prompts)
+                            for prompts in (test_prompts, tuning_prompts))
+    mark_output_dir(out_dir, BENCH_KIND)
+    save_config(cfg, out_dir / "config.yaml")
     common = dict(max_new_tokens=cfg.max_new_tokens, sampling=cfg.sampling, seed=cfg.seed, warmup=cfg.warmup,
                   eos_token_id=models.tokenizer.eos_token_id if cfg.stop_at_eos else None,
                   log=print if cfg.verbose else None)
 
-    def encode(texts):
-        return [torch.tensor([models.tokenizer.encode(t)]) for t in texts]
-
     # 1. tuning: shapes measured on the tuning prompts, never on the test prompts
-    test_texts = read_prompts(cfg.test_prompts)[: cfg.test_limit or None]
-    shapes, tuning, chosen = candidate_shapes(cfg), None, {}
     if shapes:
-        tuning_texts = read_prompts(cfg.tuning_prompts)[: cfg.tuning_limit or None]
-        if set(tuning_texts) & set(test_texts):
-            raise ValueError("some prompts appear in both the tuning and the test prompts: tune on other prompts")
-        tuning, chosen = tune_shapes(cfg, models, encode(tuning_texts), out_dir, **common)
+        tuning, chosen = tune_shapes(cfg, models, tuning_ids, out_dir, **common)
         if cfg.report_shapes == "selected":
             shapes = list(dict.fromkeys(chosen[k].tree for k in ("chain", "tree") if k in chosen))
 
     # 2. the comparison on the test prompts
     methods = baseline_methods(cfg) + [eagle_method(s) for s in shapes]
-    print(f"comparing {len(methods)} methods on {len(test_texts)} prompts x {cfg.repeats} ({cfg.test_prompts})")
-    result = run_phase("test", methods, models, encode(test_texts), cfg.repeats, **common)
+    print(f"comparing {len(methods)} methods on {len(test_ids)} prompts x {cfg.repeats} ({cfg.test_prompts})")
+    result = run_phase("test", methods, models, test_ids, cfg.repeats, **common)
     rows = method_rows(result, cfg.sampling)
     for row in rows:
         row["selected_as"] = sorted(k for k, m in chosen.items() if row["tree"] and m.name == row["method"])
@@ -262,6 +298,19 @@ def main(argv: list[str]) -> int:
     selected = f"; {chosen['best'].name} selected in shapes.json" if chosen else ""
     print(f"results in {out_dir}/: bench.json, bench.md, config.yaml{', PNG plots' if plots else ''}{selected}")
     return 0
+
+
+BENCH_KIND = "eagle-tree bench"
+BENCH_FILES = ("config.yaml", "bench.json", "bench.md", "shapes.json", "survival.png", "time_per_token.png")
+
+
+def _is_old_bench(path: Path) -> bool:
+    """A bench folder written before bench folders were marked: its bench.json holds a bench report."""
+    try:
+        report = json.loads((path / "bench.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(report, dict) and {"conditions", "methods", "schedule"} <= set(report)
 
 
 NOTES = {

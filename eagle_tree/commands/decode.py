@@ -19,6 +19,22 @@ from eagle_tree.utils.config import config_to_dict, parse_cli, save_config
 from eagle_tree.utils.tracking import WandbConfig
 
 
+@dataclass(frozen=True)
+class CommandSampling(SamplingConfig):
+    """SamplingConfig with the commands' default, greedy decoding (temperature 0.0)."""
+
+    temperature: float = 0.0
+
+
+def check_range(name: str, value, low: int, allow_none: bool = False, meaning: str = "") -> None:
+    """A config value that must be an integer >= ``low`` (or None when ``allow_none``), named in the error."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        alternative = " or null" + (f" ({meaning})" if meaning else "") if allow_none else ""
+        raise ValueError(f"{name} must be an integer >= {low}{alternative}, got {value!r}")
+
+
 @dataclass
 class DecodeConfig:
     """Decode prompts with speculative decoding and report acceptance."""
@@ -41,10 +57,13 @@ class DecodeConfig:
     prompt: str | None = None
     """A single prompt text; overrides `prompts` when set."""
     limit: int | None = None
-    """Decode only the first N prompts."""
+    """Decode only the first N prompts (null: all)."""
     max_new_tokens: int = 64
     """Output budget per prompt."""
-    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))
+    truncate_prompts: Literal["off", "left"] = "off"
+    """A prompt that leaves less than max_new_tokens of the target's positions is refused (off) or cut to
+    its last tokens (left)."""
+    sampling: CommandSampling = field(default_factory=CommandSampling)
     """temperature (0 = greedy), top_k (0 = off), top_p (1.0 = off)."""
     seed: int = 0
     """Seed of prompt i is seed + i."""
@@ -53,26 +72,69 @@ class DecodeConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Precision of target and head."""
     output: str | None = None
-    """Write per-prompt continuations and the summary to this JSON file."""
+    """Write per-prompt continuations and the summary to this JSON file (and the config beside it, as
+    NAME.config.yaml); checked before decoding: a folder or an unwritable place is refused, and an
+    existing file is replaced only if an earlier decode wrote it."""
+    overwrite: bool = False
+    """Replace `output` even when it is not an earlier decode's output."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Weights & Biases logging."""
 
+    def __post_init__(self) -> None:
+        check_range("limit", self.limit, 1, allow_none=True, meaning="all prompts")
+        check_range("chain_length", self.chain_length, 1)
+        check_range("max_new_tokens", self.max_new_tokens, 1)
+
+
+def _is_decode_output(path: Path) -> bool:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and set(data) == {"summary", "prompts"}
+
+
+def check_output(cfg: DecodeConfig) -> None:
+    """Refuse an `output` (and its NAME.config.yaml) that decode must not or cannot write, before decoding."""
+    from eagle_tree.utils.outputs import check_output_file
+
+    if cfg.output is None:
+        return
+    output = Path(cfg.output)
+    ours = output.is_file() and _is_decode_output(output)
+    check_output_file(output, "eagle-tree decode", overwrite=cfg.overwrite, recognise=_is_decode_output)
+    check_output_file(output.with_suffix(".config.yaml"), "eagle-tree decode", overwrite=cfg.overwrite,
+                      recognise=lambda _: ours)
+
+
+def check_head_path(head: str) -> None:
+    from eagle_tree.utils.checks import InputError
+
+    if not Path(head).is_dir():
+        raise InputError(f"head={head}: no such folder; expected an EAGLE-3 head folder (config.json and "
+                         "model.safetensors), or mode=plain to decode without one")
+
 
 def load_models(cfg: DecodeConfig):
-    """(SpeculativeDecoder, tokenizer) for the config."""
+    """(SpeculativeDecoder, tokenizer) for the config; the target path, the head path and the head's
+    weights are checked first (eagle_tree.utils.checks)."""
     import torch
     from transformers import AutoTokenizer
 
     from eagle_tree.decoding.decoder import SpeculativeDecoder
     from eagle_tree.models.head import Eagle3DraftModel
     from eagle_tree.models.target import TargetModel
+    from eagle_tree.utils.checks import InputError, check_finite_weights, check_target_path
 
+    check_target_path(cfg.target)
+    if cfg.mode != "plain":
+        if cfg.head is None:
+            raise InputError(f"mode={cfg.mode} needs a draft head: set head=PATH (or mode=plain)")
+        check_head_path(cfg.head)
     dtype = getattr(torch, cfg.dtype)
     tokenizer = AutoTokenizer.from_pretrained(cfg.target)
     head = None
     if cfg.mode != "plain":
-        if cfg.head is None:
-            raise ValueError(f"mode={cfg.mode} needs a draft head: set head=PATH (or mode=plain)")
         head_path = Path(cfg.head)
         layers = None
         if (head_path / "config.json").is_file():
@@ -82,6 +144,7 @@ def load_models(cfg: DecodeConfig):
                 layers = read_config(json.loads((head_path / "config.json").read_text())).feature_layers
         target = TargetModel.from_pretrained(cfg.target, dtype=dtype, feature_layers=layers)
         head = Eagle3DraftModel.from_pretrained(cfg.head, target=target, dtype=dtype)
+        check_finite_weights(head, f"the head in {cfg.head}")
     else:
         target = TargetModel.from_pretrained(cfg.target, dtype=dtype)
     tree = TreeConfig.chain(cfg.chain_length, sampled=cfg.tree.sampled) if cfg.mode == "chain" else cfg.tree
@@ -92,30 +155,50 @@ def load_models(cfg: DecodeConfig):
     return SpeculativeDecoder(target, head, tree=tree), tokenizer
 
 
+def encode(prompts, target, tokenizer, max_new_tokens: int, truncate: str):
+    """Token ids of ``prompts`` for ``target``: checked against its vocabulary and positions."""
+    from eagle_tree.utils.prompts import encode_prompts, max_positions
+
+    return encode_prompts(tokenizer, prompts, vocab_size=target.vocab_size, max_positions=max_positions(target.config),
+                          max_new_tokens=max_new_tokens, truncate=truncate)
+
+
 def main(argv: list[str]) -> int:
     cfg = parse_cli(DecodeConfig, argv, prog="eagle-tree decode")
-    import torch
+    from eagle_tree.utils.checks import InputError
 
+    try:
+        return run(cfg)
+    except InputError as exc:
+        print(f"eagle-tree decode: {exc}", file=sys.stderr)
+        return 2
+
+
+def run(cfg: DecodeConfig) -> int:
+    """Check the output path and read the prompts, load the models, check the prompts against the
+    target, then decode."""
     from eagle_tree.decoding.metrics import summarize
-    from eagle_tree.utils.prompts import read_prompts
+    from eagle_tree.utils.prompts import Prompt, read_prompt_file
     from eagle_tree.utils.tracking import RunLogger
 
+    check_output(cfg)
+    prompts = [Prompt(cfg.prompt, "prompt=")] if cfg.prompt is not None else read_prompt_file(cfg.prompts)
+    prompts = prompts[: cfg.limit]
     decoder, tokenizer = load_models(cfg)
-    prompts = [cfg.prompt] if cfg.prompt is not None else read_prompts(cfg.prompts)
-    prompts = prompts[: cfg.limit] if cfg.limit else prompts
+    prompt_ids = encode(prompts, decoder.target, tokenizer, cfg.max_new_tokens, cfg.truncate_prompts)
     eos = tokenizer.eos_token_id if cfg.stop_at_eos else None
     depth = 0 if cfg.mode == "plain" else decoder.tree.depth
     outputs, records = [], []
     with RunLogger(cfg.wandb, run_config=config_to_dict(cfg), job_type="decode") as logger:
         step = 0
-        for i, text in enumerate(prompts):
-            ids = torch.tensor([tokenizer.encode(text)])
+        for i, (prompt, ids) in enumerate(zip(prompts, prompt_ids, strict=True)):
             out = decoder.generate(ids, cfg.max_new_tokens, sampling=cfg.sampling, seed=cfg.seed + i, eos_token_id=eos)
             outputs.append(out)
             continuation = tokenizer.decode(out.sequences[0, out.prompt_length :])
             print(f"--- prompt {i}: {out.new_tokens} tokens, {out.mean_acceptance_length:.2f} per round")
             print(continuation)
-            records.append({"prompt": text, "continuation": continuation, "acceptance_lengths": out.acceptance_lengths})
+            records.append({"prompt": prompt.text, "continuation": continuation,
+                            "acceptance_lengths": out.acceptance_lengths})
             for length in out.acceptance_lengths:
                 logger.log({"decode/acceptance_length": length}, step=step)
                 step += 1
@@ -129,8 +212,10 @@ def main(argv: list[str]) -> int:
         logger.summary({f"decode/{k}": v for k, v in summary.to_dict().items() if isinstance(v, int | float)})
     print("\n" + format_summary(summary))
     if cfg.output:
+        from eagle_tree.utils.outputs import write_text
+
         Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(cfg.output).write_text(json.dumps({"summary": summary.to_dict(), "prompts": records}, indent=2))
+        write_text(cfg.output, json.dumps({"summary": summary.to_dict(), "prompts": records}, indent=2))
         save_config(cfg, Path(cfg.output).with_suffix(".config.yaml"))
     return 0
 

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle_tree.commands.decode import check_range
 from eagle_tree.decoding.drafting import TreeConfig
 from eagle_tree.decoding.shapes import shape_name
 from eagle_tree.utils.config import config_to_dict, parse_cli, save_config
@@ -64,6 +66,23 @@ class QuickstartConfig:
     """torch CPU threads."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Weights & Biases logging (offline without an API key)."""
+    overwrite: bool = False
+    """Write into `output_dir` even when it holds files of the quickstart's names that it did not write."""
+
+    def __post_init__(self) -> None:
+        for name in ("train_steps", "num_prompts", "max_prompt_tokens", "max_new_tokens", "chain_length", "threads"):
+            check_range(name, getattr(self, name), 1)
+        if not self.temperatures:
+            raise ValueError("temperatures must name at least one temperature, e.g. [0.0, 1.0]")
+
+
+QUICKSTART_KIND = "eagle-tree quickstart"
+QUICKSTART_FILES = ("config.yaml", "summary.json", "details.json", "table.md", "survival.png", "head", "train")
+
+
+def _is_old_quickstart(path: Path) -> bool:
+    """A quickstart folder written before output folders were marked."""
+    return all((path / name).is_file() for name in ("summary.json", "details.json", "table.md"))
 
 
 def train_head(cfg: QuickstartConfig, out: Path) -> Path:
@@ -106,14 +125,18 @@ def compare(cfg: QuickstartConfig, head_dir: Path):
     from eagle_tree.decoding.metrics import summarize
     from eagle_tree.models.head import Eagle3DraftModel
     from eagle_tree.models.target import TargetModel
-    from eagle_tree.utils.prompts import read_prompts
+    from eagle_tree.utils.checks import check_finite_weights
+    from eagle_tree.utils.prompts import encode_prompts, max_positions, read_prompt_file
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.target)
     head_layers = json.loads((head_dir / "config.json").read_text()).get("feature_layers")
     target = TargetModel.from_pretrained(cfg.target, feature_layers=head_layers)
     head = Eagle3DraftModel.from_pretrained(head_dir, target=target)
-    prompts = read_prompts(cfg.prompts)[: cfg.num_prompts]
-    prompt_ids = [torch.tensor([tokenizer.encode(p)[-cfg.max_prompt_tokens :]]) for p in prompts]
+    check_finite_weights(head, f"the trained head in {head_dir}")
+    prompts = read_prompt_file(cfg.prompts)[: cfg.num_prompts]
+    prompt_ids = encode_prompts(tokenizer, prompts, vocab_size=target.vocab_size,
+                                max_positions=max_positions(target.config), max_new_tokens=cfg.max_new_tokens,
+                                truncate="left", max_prompt_tokens=cfg.max_prompt_tokens)
     SpeculativeDecoder(target).generate(prompt_ids[0], 4)  # warm-up, not measured
     rows, texts = [], {}
     for temperature in cfg.temperatures:
@@ -191,20 +214,31 @@ def main(argv: list[str]) -> int:
     cfg = parse_cli(QuickstartConfig, argv, prog="eagle-tree quickstart")
     import torch
 
+    from eagle_tree.utils.atomic import atomic_dir
+    from eagle_tree.utils.checks import InputError
+    from eagle_tree.utils.outputs import check_output_dir, mark_output_dir
+    from eagle_tree.utils.prompts import read_prompt_file
     from eagle_tree.utils.tracking import RunLogger
 
     torch.set_num_threads(cfg.threads)
     out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     if not Path(cfg.target).is_dir():
         raise SystemExit(f"eagle-tree quickstart: no target at {cfg.target!r}; run from the repository root "
                          "(the reference target ships in assets/reference/target)")
+    try:
+        check_output_dir(out, QUICKSTART_KIND, writes=QUICKSTART_FILES, overwrite=cfg.overwrite,
+                         recognise=_is_old_quickstart)
+        read_prompt_file(cfg.prompts)
+    except InputError as exc:
+        print(f"eagle-tree quickstart: {exc}", file=sys.stderr)
+        return 2
+    mark_output_dir(out, QUICKSTART_KIND)
     save_config(cfg, out / "config.yaml")
     print(f"[1/3] training an EAGLE-3 head on {cfg.target} for {cfg.train_steps} steps")
     final = train_head(cfg, out)
     head_dir = out / "head"
-    shutil.rmtree(head_dir, ignore_errors=True)
-    shutil.copytree(final, head_dir)
+    with atomic_dir(head_dir) as tmp:
+        shutil.copytree(final, tmp, dirs_exist_ok=True)
     print(f"[2/3] decoding {cfg.num_prompts} test prompts: plain, chain, tree at temperatures {cfg.temperatures}")
     rows, texts = compare(cfg, head_dir)
     print("[3/3] results\n")

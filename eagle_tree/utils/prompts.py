@@ -16,8 +16,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal, NamedTuple
 
+from eagle_tree.utils.checks import InputError
 
-class PromptError(ValueError):
+
+class PromptError(InputError):
     """A prompt file or a prompt that cannot be decoded as given."""
 
 

@@ -1,0 +1,60 @@
+"""Checks of what a user hands a command, each failing with an :class:`InputError` that names the
+problem and the fix (commands print it and exit with status 2, without a traceback)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["InputError", "check_finite_weights", "check_target_path"]
+
+
+class InputError(ValueError):
+    """An input (path, file, model, value) the user must change; the message says how."""
+
+
+def check_finite_weights(module_or_state: torch.nn.Module | dict, what: str) -> None:
+    """Refuse a model (or state dict) with a NaN or infinite weight: ``what`` names it in the error,
+    with the tensors concerned. Such a head comes from a training that diverged."""
+    import torch
+
+    if isinstance(module_or_state, torch.nn.Module):
+        tensors = dict(module_or_state.named_parameters())
+        tensors |= {k: v for k, v in module_or_state.named_buffers() if k not in tensors}
+    else:
+        tensors = module_or_state
+    bad = [name for name, t in tensors.items()
+           if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        shown = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+        raise InputError(f"{what} has non-finite (NaN or infinite) weights in {shown}: it comes from a training "
+                         "that diverged; use an earlier checkpoint or train again with a lower learning rate")
+
+
+def check_target_path(target: str, key: str = "target") -> None:
+    """Refuse a ``target`` that is neither a model folder nor a hub id before Hugging Face tries it:
+    a path that does not exist, a file, or a draft head's folder."""
+    path = Path(target).expanduser()
+    if path.is_file():
+        raise InputError(f"{key}={target} is a file; expected a model folder (config.json, weights, tokenizer) "
+                         "or a hub id such as meta-llama/Llama-3.1-8B-Instruct")
+    if path.is_dir():
+        config = path / "config.json"
+        if not config.is_file():
+            raise InputError(f"{key}={target} holds no config.json: is it a Hugging Face model folder?")
+        try:
+            data = json.loads(config.read_text())
+        except (OSError, ValueError) as exc:
+            raise InputError(f"{config} is not valid JSON ({exc})") from exc
+        if isinstance(data, dict) and ({"draft_vocab_size", "speculators_model_type"} & set(data)):
+            raise InputError(f"{key}={target} is an EAGLE-3 draft head, not a target model: pass it as head= and "
+                             "the model it was trained for as target=")
+        return
+    looks_local = target.startswith((".", "/", "~")) or target.count("/") > 1 or target.endswith("/")
+    if looks_local:
+        raise InputError(f"{key}={target}: no such folder (a hub id has the form namespace/name); check the path, "
+                         "or run from the folder it is relative to")
