@@ -313,3 +313,30 @@ def test_prompt_file_forms(tmp_path):
         read_prompts(tmp_path / "n.jsonl")
     with pytest.raises(PromptError, match="is a folder"):
         read_prompts(tmp_path)
+
+
+def test_documented_command_lines_parse(monkeypatch):
+    """Every `eagle-tree decode / bench / export / demo / quickstart` line in README.md and docs/ parses."""
+    import shlex
+    from pathlib import Path
+
+    from eagle_tree.commands.bench import BenchConfig
+    from eagle_tree.commands.decode import DecodeConfig
+    from eagle_tree.commands.demo import DemoConfig
+    from eagle_tree.commands.quickstart import QuickstartConfig
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)  # --config paths are relative to the repository
+    schemas = {"decode": (DecodeConfig, ()), "bench": (BenchConfig, ()), "demo": (DemoConfig, ()),
+               "export": (ExportConfig, ("checkpoint", "out")), "quickstart": (QuickstartConfig, ())}
+    seen = set()
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        text = doc.read_text().replace("\\\n", " ")  # shell line continuations
+        for line in text.splitlines():
+            words = shlex.split(line.split("  #")[0].strip()) if line.startswith("eagle-tree ") else []
+            if len(words) < 2 or words[1] not in schemas:
+                continue
+            argv = [w.replace("...", "x") for w in words[2:]]
+            parse_flags(schemas[words[1]][0], argv, f"eagle-tree {words[1]}", schemas[words[1]][1])
+            seen.add(words[1])
+    assert {"decode", "bench", "export", "quickstart", "demo"} <= seen
