@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from eagle_tree.commands.decode import CommandSampling, check_range
+from eagle_tree.commands.decode import CommandSampling
 from eagle_tree.decoding.drafting import TreeConfig
+from eagle_tree.utils.checks import check_range
 from eagle_tree.utils.config import config_to_dict, parse_cli, save_config
 from eagle_tree.utils.tracking import WandbConfig
 

@@ -15,6 +15,7 @@ from typing import Literal
 
 from eagle_tree.core.sampling import SamplingConfig
 from eagle_tree.decoding.drafting import TreeConfig
+from eagle_tree.utils.checks import check_range
 from eagle_tree.utils.config import config_to_dict, parse_cli, save_config
 from eagle_tree.utils.tracking import WandbConfig
 
@@ -24,15 +25,6 @@ class CommandSampling(SamplingConfig):
     """SamplingConfig with the commands' default, greedy decoding (temperature 0.0)."""
 
     temperature: float = 0.0
-
-
-def check_range(name: str, value, low: int, allow_none: bool = False, meaning: str = "") -> None:
-    """A config value that must be an integer >= ``low`` (or None when ``allow_none``), named in the error."""
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        alternative = " or null" + (f" ({meaning})" if meaning else "") if allow_none else ""
-        raise ValueError(f"{name} must be an integer >= {low}{alternative}, got {value!r}")
 
 
 @dataclass

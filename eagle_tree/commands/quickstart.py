@@ -18,9 +18,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle_tree.commands.decode import check_range
 from eagle_tree.decoding.drafting import TreeConfig
 from eagle_tree.decoding.shapes import shape_name
+from eagle_tree.utils.checks import check_range
 from eagle_tree.utils.config import config_to_dict, parse_cli, save_config
 from eagle_tree.utils.tracking import WandbConfig
 
@@ -212,6 +212,17 @@ def survival_plot(rows: list[dict], path: Path) -> Path:
 
 def main(argv: list[str]) -> int:
     cfg = parse_cli(QuickstartConfig, argv, prog="eagle-tree quickstart")
+    from eagle_tree.utils.checks import InputError
+
+    try:
+        return run(cfg)
+    except InputError as exc:
+        print(f"eagle-tree quickstart: {exc}", file=sys.stderr)
+        return 2
+
+
+def run(cfg: QuickstartConfig) -> int:
+    """Check the target, the output folder and the prompts, then train, compare and report."""
     import torch
 
     from eagle_tree.utils.atomic import atomic_dir
@@ -220,18 +231,14 @@ def main(argv: list[str]) -> int:
     from eagle_tree.utils.prompts import read_prompt_file
     from eagle_tree.utils.tracking import RunLogger
 
-    torch.set_num_threads(cfg.threads)
     out = Path(cfg.output_dir)
     if not Path(cfg.target).is_dir():
-        raise SystemExit(f"eagle-tree quickstart: no target at {cfg.target!r}; run from the repository root "
-                         "(the reference target ships in assets/reference/target)")
-    try:
-        check_output_dir(out, QUICKSTART_KIND, writes=QUICKSTART_FILES, overwrite=cfg.overwrite,
-                         recognise=_is_old_quickstart)
-        read_prompt_file(cfg.prompts)
-    except InputError as exc:
-        print(f"eagle-tree quickstart: {exc}", file=sys.stderr)
-        return 2
+        raise InputError(f"no target at {cfg.target!r}; run from the repository root (the reference target "
+                         "ships in assets/reference/target)")
+    check_output_dir(out, QUICKSTART_KIND, writes=QUICKSTART_FILES, overwrite=cfg.overwrite,
+                     recognise=_is_old_quickstart)
+    read_prompt_file(cfg.prompts)
+    torch.set_num_threads(cfg.threads)
     mark_output_dir(out, QUICKSTART_KIND)
     save_config(cfg, out / "config.yaml")
     print(f"[1/3] training an EAGLE-3 head on {cfg.target} for {cfg.train_steps} steps")

@@ -10,11 +10,22 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["InputError", "check_finite_weights", "check_target_path"]
+__all__ = ["InputError", "check_range", "check_finite_weights", "check_target_path"]
 
 
 class InputError(ValueError):
     """An input (path, file, model, value) the user must change; the message says how."""
+
+
+def check_range(name: str, value, low: int, allow_none: bool = False, meaning: str = "") -> None:
+    """A config value that must be an integer >= ``low`` (or None when ``allow_none``; ``meaning`` says
+    what None means). Raises ValueError naming the key, for a schema's ``__post_init__`` (``parse_cli``
+    reports it as a config error)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        alternative = " or null" + (f" ({meaning})" if meaning else "") if allow_none else ""
+        raise ValueError(f"{name} must be an integer >= {low}{alternative}, got {value!r}")
 
 
 def check_finite_weights(module_or_state: torch.nn.Module | dict, what: str) -> None:
