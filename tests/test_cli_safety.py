@@ -295,7 +295,8 @@ def test_quickstart_refuses_a_foreign_output_folder_before_training(models, tmp_
     assert sorted(p.name for p in out.iterdir()) == ["summary.json"]
     assert main([f"output_dir={tmp_path / 'new'}", f"target={tmp_path / 'none'}"]) == 2
     assert "no target at" in capsys.readouterr().err and not (tmp_path / "new").exists()
-    assert main([f"output_dir={tmp_path / 'new'}", f"target={models / 'target'}", f"prompts={tmp_path / 'p.jsonl'}"]) == 2
+    missing = tmp_path / "p.jsonl"
+    assert main([f"output_dir={tmp_path / 'new'}", f"target={models / 'target'}", f"prompts={missing}"]) == 2
     assert "p.jsonl' does not exist" in capsys.readouterr().err and not (tmp_path / "new").exists()
 
 
