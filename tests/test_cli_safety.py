@@ -278,7 +278,7 @@ def test_bench_never_replaces_files_it_did_not_write(bad_inputs, tmp_path, capsy
     assets.mkdir()
     (assets / "data.txt").write_text("keep")
     assert main([f"output_dir={tmp_path / 'b'}", f"tiny_assets={assets}", "wandb.mode=disabled"]) == 2
-    assert "is not empty and is not an earlier the tiny bench assets" in capsys.readouterr().err
+    assert "is not empty and is not an earlier tiny_assets build" in capsys.readouterr().err
     assert (assets / "data.txt").read_text() == "keep"
     assert main([f"output_dir={out / 'file'}", f"test_prompts={bad_inputs / 'badline.jsonl'}"]) == 2
     assert "badline.jsonl:2: not valid JSON" in capsys.readouterr().err

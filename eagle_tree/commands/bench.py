@@ -134,7 +134,7 @@ def build_tiny_assets(folder: str | Path) -> dict[str, Path]:
              "tuning_prompts": folder / "tuning.jsonl", "test_prompts": folder / "test.jsonl"}
     if (folder / "COMPLETE").is_file():
         return paths
-    check_output_dir(folder, "the tiny bench assets (tiny_assets=)", writes=[p.name for p in paths.values()],
+    check_output_dir(folder, "tiny_assets build", writes=[p.name for p in paths.values()],
                      replaces_folder=True, option=None)
     from eagle_tree.models.head import Eagle3DraftModel
     from eagle_tree.reference.tiny import char_tokenizer, tiny_causal_lm
