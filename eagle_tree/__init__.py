@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "TargetModel": "models.target",
     "Eagle3DraftModel": "models.head",
-    "Eagle3Config": "models.head",
+    "Eagle3Config": "models.head_config",
     "TreeConfig": "decoding.drafting",
     "SpeculativeDecoder": "decoding.decoder",
     "GenerateOutput": "decoding.decoder",

@@ -15,7 +15,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from eagle_tree.models.head import vocab_maps
+from eagle_tree.models.head_config import vocab_maps
 from eagle_tree.training.data import (
     DataConfig,
     _mask_from_spans,

@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 from eagle_tree import SamplingConfig
 from eagle_tree.decoding.decoder import SpeculativeDecoder
 from eagle_tree.decoding.drafting import Drafter, TreeConfig
-from eagle_tree.models.head import Eagle3Config, Eagle3DraftModel, vocab_maps
+from eagle_tree.models.head import Eagle3DraftModel
+from eagle_tree.models.head_config import Eagle3Config, vocab_maps
 from eagle_tree.models.target import TargetModel, default_feature_layers
 from eagle_tree.reference.tiny import tiny_causal_lm
 

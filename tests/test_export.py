@@ -21,14 +21,8 @@ from transformers import AutoConfig, LlamaConfig
 import eagle_tree as et
 from eagle_tree.commands.export import main as export_main
 from eagle_tree.decoding.drafting import Drafter
-from eagle_tree.models.layouts import (
-    LAYOUTS,
-    engine_feature_layers,
-    expected_shapes,
-    export_head,
-    log_head_artifact,
-    read_config,
-)
+from eagle_tree.models.export import export_head
+from eagle_tree.models.layouts import LAYOUTS, engine_feature_layers, expected_shapes, read_config
 from eagle_tree.models.target import TargetModel
 from eagle_tree.reference.tiny import tiny_causal_lm
 from eagle_tree.training.ttt import ttt_forward
@@ -345,7 +339,7 @@ def test_export_command(trained, exported, tmp_path, capsys):
 
 # ----------------------------------------------------------------------------------------- W&B
 def test_head_artifact_is_logged_offline(exported, tmp_path, monkeypatch):
-    from eagle_tree.utils.tracking import RunLogger, WandbConfig
+    from eagle_tree.utils.tracking import RunLogger, WandbConfig, log_head_artifact
     from eagle_tree.utils.wandb_records import read_run
 
     for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL", "NETRC"):

@@ -95,7 +95,8 @@ def main(argv: list[str]) -> int:
         return 2
     import torch
 
-    from eagle_tree.models.layouts import export_head, read_head
+    from eagle_tree.models.export import export_head
+    from eagle_tree.models.layouts import read_head
     from eagle_tree.utils.checks import check_finite_weights, check_target_path
 
     try:

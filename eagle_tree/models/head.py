@@ -17,12 +17,10 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
     LlamaRMSNorm,
@@ -30,79 +28,18 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from eagle_tree.models.target import default_feature_layers
+from eagle_tree.models.head_config import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    Eagle3Config,
+    check_head_matches_target,
+    check_vocab_maps,
+    text_config,
+    vocab_maps,
+)
+from eagle_tree.models.layouts import read_head
+from eagle_tree.models.target import TargetModel, default_feature_layers
 from eagle_tree.utils.atomic import atomic_dir
-
-WEIGHTS_NAME = "model.safetensors"
-CONFIG_NAME = "config.json"
-ARCHITECTURE = "LlamaForCausalLMEagle3"
-
-
-@dataclass
-class Eagle3Config:
-    """Shape of an EAGLE-3 head and of the target it belongs to."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int  # the target's vocabulary
-    draft_vocab_size: int
-    target_hidden_size: int
-    target_num_layers: int
-    feature_layers: tuple[int, int, int]  # hidden states entering these target layers
-    rms_norm_eps: float = 1e-6
-    max_position_embeddings: int = 2048
-    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
-    hidden_act: str = "silu"
-
-    def __post_init__(self) -> None:
-        self.feature_layers = tuple(int(i) for i in self.feature_layers)
-        if len(self.feature_layers) != 3:
-            raise ValueError(f"an EAGLE-3 head fuses exactly 3 target layers, got {self.feature_layers}")
-        if not 0 < self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(
-                f"draft_vocab_size must lie in [1, vocab_size={self.vocab_size}], got {self.draft_vocab_size}"
-            )
-
-    def llama_config(self) -> LlamaConfig:
-        """The Llama config of the single decoder layer (rope, norms, MLP)."""
-        return LlamaConfig(
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
-            num_hidden_layers=1,
-            vocab_size=self.vocab_size,
-            rms_norm_eps=self.rms_norm_eps,
-            max_position_embeddings=self.max_position_embeddings,
-            rope_parameters=dict(self.rope_parameters),
-            hidden_act=self.hidden_act,
-        )
-
-    def to_json_dict(self) -> dict:
-        """The config.json of the EAGLE-3 layout (a Llama config with the EAGLE-3 fields)."""
-        d = asdict(self)
-        d["feature_layers"] = list(self.feature_layers)
-        return {
-            "architectures": [ARCHITECTURE],
-            "model_type": "llama",
-            "num_hidden_layers": 1,
-            "tie_word_embeddings": False,
-            **d,
-        }
-
-    @classmethod
-    def from_json_dict(cls, d: dict, target_num_layers: int | None = None) -> Eagle3Config:
-        """Read our config.json, the official EAGLE-3 / SGLang style (a Llama config plus
-        ``draft_vocab_size``, optional ``target_hidden_size`` and ``eagle_config``) or a vLLM speculators
-        config; see :func:`eagle_tree.models.layouts.read_config` (``target_num_layers`` resolves the default
-        feature layers of configs that name none)."""
-        from eagle_tree.models.layouts import read_config
-
-        return read_config(d, target_num_layers=target_num_layers)
 
 
 class Eagle3Attention(nn.Module):
@@ -170,7 +107,7 @@ class Eagle3DraftModel(nn.Module):
         self.rotary_emb = LlamaRotaryEmbedding(cfg.llama_config())
         if d2t is None:
             d2t, t2d = vocab_maps(torch.arange(cfg.draft_vocab_size), cfg.vocab_size)
-        _check_vocab_maps(d2t.long(), t2d.bool(), cfg)  # before d2t is used: a clear error for bad maps
+        check_vocab_maps(d2t.long(), t2d.bool(), cfg)  # before d2t is used: a clear error for bad maps
         self.register_buffer("d2t", d2t.long().clone())
         self.register_buffer("t2d", t2d.bool().clone())
         self.register_buffer("draft_to_target", torch.arange(cfg.draft_vocab_size) + self.d2t, persistent=False)
@@ -294,12 +231,10 @@ class Eagle3DraftModel(nn.Module):
         """Load a head saved by eagle-tree or in the EAGLE-3, SGLang or vLLM speculators layout (see
         :mod:`eagle_tree.models.layouts`); bind it to ``target`` if given. A config that names no feature
         layers (official EAGLE-3 style) gets the default layers of ``target``, which is then required."""
-        from eagle_tree.models.layouts import read_head
-
         layers = None
         if target is not None:
             hf = target.model if _is_wrapper(target) else target
-            layers = hf.config.get_text_config(decoder=True).num_hidden_layers
+            layers = text_config(hf.config).num_hidden_layers
         cfg, state = read_head(path, target_num_layers=layers)
         return cls.from_state_dict(cfg, state, target=target, dtype=dtype)
 
@@ -334,68 +269,8 @@ class Eagle3DraftModel(nn.Module):
         return model.eval()
 
 
-# --------------------------------------------------------------------- vocabulary maps and checks
-def vocab_maps(draft_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sorted target ids of the draft vocabulary -> (d2t offsets (Vd,), t2d mask (V,))."""
-    ids = torch.as_tensor(draft_ids).long().sort().values
-    d2t = ids - torch.arange(ids.numel())
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[ids] = True
-    return d2t, t2d
-
-
-def _check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, cfg: Eagle3Config) -> None:
-    if d2t.shape != (cfg.draft_vocab_size,) or t2d.shape != (cfg.vocab_size,):
-        raise ValueError(
-            f"d2t must have shape ({cfg.draft_vocab_size},) and t2d ({cfg.vocab_size},), "
-            f"got {tuple(d2t.shape)} and {tuple(t2d.shape)}"
-        )
-    target_ids = torch.arange(cfg.draft_vocab_size) + d2t
-    if target_ids.min() < 0 or target_ids.max() >= cfg.vocab_size:
-        raise ValueError("d2t maps draft ids outside the target vocabulary")
-    if int(t2d.sum()) != cfg.draft_vocab_size or not bool(t2d[target_ids].all()):
-        raise ValueError("d2t and t2d disagree: t2d must mark exactly the target ids that d2t maps to")
-
-
 def _is_wrapper(obj) -> bool:
-    from eagle_tree.models.target import TargetModel
-
     return isinstance(obj, TargetModel)
 
 
-def check_head_matches_target(cfg: Eagle3Config, target_config, target_layers=None) -> None:
-    """Refuse a head whose shapes, vocabulary, feature layers or rope settings differ from the target's."""
-    problems = []
-    if cfg.target_hidden_size != target_config.hidden_size:
-        problems.append(f"target hidden size {cfg.target_hidden_size} vs the target's {target_config.hidden_size}")
-    if cfg.hidden_size != target_config.hidden_size:
-        problems.append(f"hidden size {cfg.hidden_size} vs the target embedding size {target_config.hidden_size}")
-    if cfg.vocab_size != target_config.vocab_size:
-        problems.append(f"vocabulary {cfg.vocab_size} vs the target's {target_config.vocab_size}")
-    n_layers = target_config.num_hidden_layers
-    if cfg.target_num_layers not in (-1, n_layers):
-        problems.append(f"trained on a target of {cfg.target_num_layers} layers, this target has {n_layers}")
-    bad = [i for i in cfg.feature_layers if not 0 <= i < n_layers]
-    if bad:
-        problems.append(f"feature layers {list(cfg.feature_layers)} out of range for {n_layers} layers")
-    if target_layers is not None and tuple(target_layers) != tuple(cfg.feature_layers):
-        problems.append(f"feature layers {list(cfg.feature_layers)} vs the target wrapper's {list(target_layers)}")
-    rope = getattr(target_config, "rope_parameters", None)
-    if rope is None and getattr(target_config, "rope_theta", None) is not None:  # transformers 4.x config
-        rope = {**(getattr(target_config, "rope_scaling", None) or {}), "rope_theta": target_config.rope_theta}
-    if rope is not None and cfg.rope_parameters:
-        for key in sorted(set(rope) & set(cfg.rope_parameters)):  # type, theta and the scaling fields
-            mine, theirs = cfg.rope_parameters[key], rope[key]
-            if not isinstance(theirs, dict) and mine != theirs:  # dict: per-layer-type rope, not compared
-                problems.append(f"rope {key} {mine} vs the target's {theirs}")
-    if problems:
-        raise ValueError("this draft head does not belong to this target: " + "; ".join(problems))
-
-
-__all__ = [
-    "Eagle3Config",
-    "Eagle3DraftModel",
-    "check_head_matches_target",
-    "default_feature_layers",
-    "vocab_maps",
-]
+__all__ = ["Eagle3DraftModel"]

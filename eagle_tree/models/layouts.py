@@ -1,4 +1,5 @@
-"""Draft heads in the layouts that serving engines load: write them, read them back, log them to W&B.
+"""Draft heads in the layouts that serving engines load: pure config and state-dict transforms (detect,
+read, write a layout's config and weights, validate); :mod:`eagle_tree.models.export` writes the files.
 
 Layouts (``docs/INTEROP.md`` says which engine versions they were written for and what is assumed):
 
@@ -27,23 +28,20 @@ every engine. Each export is validated before anything is written, then written 
 from __future__ import annotations
 
 import json
-import re
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from eagle_tree.models.head import (
+from eagle_tree.models.head_config import (
     ARCHITECTURE,
     CONFIG_NAME,
     WEIGHTS_NAME,
     Eagle3Config,
-    Eagle3DraftModel,
-    _check_vocab_maps,
     check_head_matches_target,
+    check_vocab_maps,
+    text_config,
 )
 from eagle_tree.models.target import default_feature_layers
-from eagle_tree.utils.atomic import atomic_dir
 
 __all__ = [
     "LAYOUTS",
@@ -55,8 +53,6 @@ __all__ = [
     "expected_shapes",
     "engine_feature_layers",
     "validate_layout",
-    "export_head",
-    "log_head_artifact",
 ]
 
 LAYOUTS = ("eagle3", "sglang", "vllm")
@@ -364,7 +360,7 @@ def validate_layout(layout: str, config: dict, state: dict, target_config=None) 
     disagreeing, engine-side feature layers differing from the head's, or a head / target mismatch."""
     num_layers = None
     if target_config is not None:
-        num_layers = _text_config(target_config).num_hidden_layers
+        num_layers = text_config(target_config).num_hidden_layers
     cfg = read_config(config, target_num_layers=num_layers)
     shapes = expected_shapes(cfg, layout)
     missing, unexpected = sorted(set(shapes) - set(state)), sorted(set(state) - set(shapes))
@@ -376,84 +372,12 @@ def validate_layout(layout: str, config: dict, state: dict, target_config=None) 
         raise ValueError(f"{layout} export has weights of the wrong shape: {'; '.join(wrong)}")
     if state["d2t"].dtype != torch.int64 or state["t2d"].dtype != torch.bool:
         raise ValueError(f"d2t must be int64 and t2d bool, got {state['d2t'].dtype} and {state['t2d'].dtype}")
-    _check_vocab_maps(state["d2t"], state["t2d"], cfg)
+    check_vocab_maps(state["d2t"], state["t2d"], cfg)
     known = num_layers if num_layers is not None else cfg.target_num_layers
     seen = engine_feature_layers(layout, config, known)
     if seen is not None and seen != tuple(cfg.feature_layers):
         raise ValueError(f"an engine reading this {layout} config would capture layers {list(seen)}, "
                          f"but the head was trained on {list(cfg.feature_layers)}")
     if target_config is not None:
-        check_head_matches_target(cfg, _text_config(target_config))
+        check_head_matches_target(cfg, text_config(target_config))
     return cfg
-
-
-def _text_config(config):
-    get = getattr(config, "get_text_config", None)
-    return get(decoder=True) if callable(get) else config
-
-
-def export_head(
-    head: Eagle3DraftModel | tuple[Eagle3Config, dict],
-    out: str | Path,
-    layout: str,
-    *,
-    target_config=None,
-    verifier: str | None = None,
-    speculative_tokens: int = 3,
-    dtype: torch.dtype | None = None,
-) -> Path:
-    """Write a head (a model, or the (config, EAGLE-3-keyed state dict) of :func:`read_head`) to the
-    folder ``out`` in ``layout``, validated first, atomically (a temporary folder beside ``out``, then a
-    rename; an existing ``out`` is replaced only on success).
-
-    target_config: the target's (Hugging Face) config: the head is checked against it and, for vLLM,
-    its ``architectures`` name the verifier. verifier: the vLLM verifier's name or path.
-    """
-    cfg, weights = (head.config, head.state_dict()) if isinstance(head, Eagle3DraftModel) else head
-    num_layers = None
-    if target_config is not None:
-        check_head_matches_target(cfg, _text_config(target_config))
-        num_layers = _text_config(target_config).num_hidden_layers
-    state = layout_state(weights, layout, dtype)
-    dtype_name = str(state["fc.weight"].dtype).removeprefix("torch.")
-    config = layout_config(cfg, layout, num_layers=num_layers, verifier=verifier,
-                           verifier_architectures=getattr(target_config, "architectures", None),
-                           speculative_tokens=speculative_tokens, dtype=dtype_name)
-    back = validate_layout(layout, config, state, target_config)
-    if asdict(back) != asdict(cfg):
-        changed = [k for k, v in asdict(cfg).items() if asdict(back)[k] != v]
-        raise ValueError(f"the {layout} config does not read back as the head's own config: {changed} differ")
-    return _write_atomically(Path(out), config, state)
-
-
-def _write_atomically(out: Path, config: dict, state: dict) -> Path:
-    from safetensors.torch import save_file
-
-    with atomic_dir(out) as tmp:
-        save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-    return out
-
-
-# --------------------------------------------------------------------------------------------- W&B
-def log_head_artifact(logger, head_dir: str | Path, name: str, config, acceptance_length: float | None) -> dict:
-    """Log a saved head folder as a W&B ``model`` artifact (a no-op when the logger is disabled;
-    offline runs keep it until ``wandb sync``). Metadata: ``config`` (the resolved run config),
-    ``acceptance_length`` (the latest measured one, or None), ``layout`` and ``head_config`` (the
-    head's config.json). Returns the metadata."""
-    from eagle_tree.utils.config import config_to_dict
-
-    head_dir = Path(head_dir)
-    cfg_file = head_dir / CONFIG_NAME
-    if not cfg_file.is_file():
-        raise FileNotFoundError(f"log_head_artifact: {head_dir} holds no {CONFIG_NAME}; is it a saved head?")
-    head_config = json.loads(cfg_file.read_text())
-    metadata = {
-        "config": config_to_dict(config) if config is not None else {},
-        "acceptance_length": None if acceptance_length is None else float(acceptance_length),
-        "layout": detect_layout(head_config),
-        "head_config": head_config,
-    }
-    artifact_name = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.") or "draft-head"  # W&B's name rule
-    logger.log_artifact(head_dir, artifact_name, "model", metadata)
-    return metadata

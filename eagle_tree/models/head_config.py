@@ -1,0 +1,147 @@
+"""The EAGLE-3 head's configuration, file names, vocabulary maps and the checks of a head against a
+target: plain data and functions shared by the head module, the layout readers and writers, and the
+export.
+
+``Eagle3Config`` describes the single decoder layer and the target it belongs to; ``vocab_maps``
+builds the reduced draft vocabulary's maps (``target = draft + d2t[draft]``, ``t2d`` marking the
+target ids the draft vocabulary holds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers import LlamaConfig
+
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+@dataclass
+class Eagle3Config:
+    """Shape of an EAGLE-3 head and of the target it belongs to."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # the target's vocabulary
+    draft_vocab_size: int
+    target_hidden_size: int
+    target_num_layers: int
+    feature_layers: tuple[int, int, int]  # hidden states entering these target layers
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    hidden_act: str = "silu"
+
+    def __post_init__(self) -> None:
+        self.feature_layers = tuple(int(i) for i in self.feature_layers)
+        if len(self.feature_layers) != 3:
+            raise ValueError(f"an EAGLE-3 head fuses exactly 3 target layers, got {self.feature_layers}")
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size must lie in [1, vocab_size={self.vocab_size}], got {self.draft_vocab_size}"
+            )
+
+    def llama_config(self) -> LlamaConfig:
+        """The Llama config of the single decoder layer (rope, norms, MLP)."""
+        return LlamaConfig(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            num_hidden_layers=1,
+            vocab_size=self.vocab_size,
+            rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_parameters=dict(self.rope_parameters),
+            hidden_act=self.hidden_act,
+        )
+
+    def to_json_dict(self) -> dict:
+        """The config.json of the EAGLE-3 layout (a Llama config with the EAGLE-3 fields)."""
+        d = asdict(self)
+        d["feature_layers"] = list(self.feature_layers)
+        return {
+            "architectures": [ARCHITECTURE],
+            "model_type": "llama",
+            "num_hidden_layers": 1,
+            "tie_word_embeddings": False,
+            **d,
+        }
+
+
+# --------------------------------------------------------------------- vocabulary maps and checks
+def vocab_maps(draft_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted target ids of the draft vocabulary -> (d2t offsets (Vd,), t2d mask (V,))."""
+    ids = torch.as_tensor(draft_ids).long().sort().values
+    d2t = ids - torch.arange(ids.numel())
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    return d2t, t2d
+
+
+def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, cfg: Eagle3Config) -> None:
+    """Refuse d2t / t2d maps of the wrong shape, mapping outside the target vocabulary or disagreeing."""
+    if d2t.shape != (cfg.draft_vocab_size,) or t2d.shape != (cfg.vocab_size,):
+        raise ValueError(
+            f"d2t must have shape ({cfg.draft_vocab_size},) and t2d ({cfg.vocab_size},), "
+            f"got {tuple(d2t.shape)} and {tuple(t2d.shape)}"
+        )
+    target_ids = torch.arange(cfg.draft_vocab_size) + d2t
+    if target_ids.min() < 0 or target_ids.max() >= cfg.vocab_size:
+        raise ValueError("d2t maps draft ids outside the target vocabulary")
+    if int(t2d.sum()) != cfg.draft_vocab_size or not bool(t2d[target_ids].all()):
+        raise ValueError("d2t and t2d disagree: t2d must mark exactly the target ids that d2t maps to")
+
+
+def check_head_matches_target(cfg: Eagle3Config, target_config, target_layers=None) -> None:
+    """Refuse a head whose shapes, vocabulary, feature layers or rope settings differ from the target's."""
+    problems = []
+    if cfg.target_hidden_size != target_config.hidden_size:
+        problems.append(f"target hidden size {cfg.target_hidden_size} vs the target's {target_config.hidden_size}")
+    if cfg.hidden_size != target_config.hidden_size:
+        problems.append(f"hidden size {cfg.hidden_size} vs the target embedding size {target_config.hidden_size}")
+    if cfg.vocab_size != target_config.vocab_size:
+        problems.append(f"vocabulary {cfg.vocab_size} vs the target's {target_config.vocab_size}")
+    n_layers = target_config.num_hidden_layers
+    if cfg.target_num_layers not in (-1, n_layers):
+        problems.append(f"trained on a target of {cfg.target_num_layers} layers, this target has {n_layers}")
+    bad = [i for i in cfg.feature_layers if not 0 <= i < n_layers]
+    if bad:
+        problems.append(f"feature layers {list(cfg.feature_layers)} out of range for {n_layers} layers")
+    if target_layers is not None and tuple(target_layers) != tuple(cfg.feature_layers):
+        problems.append(f"feature layers {list(cfg.feature_layers)} vs the target wrapper's {list(target_layers)}")
+    rope = getattr(target_config, "rope_parameters", None)
+    if rope is None and getattr(target_config, "rope_theta", None) is not None:  # transformers 4.x config
+        rope = {**(getattr(target_config, "rope_scaling", None) or {}), "rope_theta": target_config.rope_theta}
+    if rope is not None and cfg.rope_parameters:
+        for key in sorted(set(rope) & set(cfg.rope_parameters)):  # type, theta and the scaling fields
+            mine, theirs = cfg.rope_parameters[key], rope[key]
+            if not isinstance(theirs, dict) and mine != theirs:  # dict: per-layer-type rope, not compared
+                problems.append(f"rope {key} {mine} vs the target's {theirs}")
+    if problems:
+        raise ValueError("this draft head does not belong to this target: " + "; ".join(problems))
+
+
+def text_config(config):
+    """The decoder's config of a (possibly multimodal) Hugging Face config."""
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if callable(get) else config
+
+
+__all__ = [
+    "ARCHITECTURE",
+    "CONFIG_NAME",
+    "WEIGHTS_NAME",
+    "Eagle3Config",
+    "check_head_matches_target",
+    "check_vocab_maps",
+    "text_config",
+    "vocab_maps",
+]
