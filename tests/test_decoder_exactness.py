@@ -277,7 +277,9 @@ def test_max_new_tokens_cuts_the_last_round(shape, last):
 # -------------------------------------------------------------------------- sampling: chi-square
 
 # A one-layer target with a 16-token vocabulary (the cost per decode is mostly per-layer overhead);
-# initializer_range 0.3 gives peaked but not degenerate next-token laws.
+# initializer_range 0.3 gives peaked but not degenerate next-token laws. Three more layers that add
+# exactly zero (o_proj and down_proj zero) give the head three distinct feature layers (1, 2, 3)
+# without changing a single target logit.
 SV = 16
 SPROMPT = [3, 7, 1]
 ALPHA = 1e-5
@@ -294,9 +296,15 @@ N_SEEDS = 1000
 
 @functools.cache
 def _sampling_target() -> TargetModel:
-    lm = tiny_causal_lm("llama", vocab_size=SV, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                        intermediate_size=64, initializer_range=0.3, seed=3)
-    return TargetModel(lm, feature_layers=(0, 0, 0))
+    kw = dict(vocab_size=SV, hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64,
+              initializer_range=0.3, seed=3)
+    one, lm = tiny_causal_lm("llama", num_layers=1, **kw), tiny_causal_lm("llama", num_layers=4, **kw)
+    state = {**lm.state_dict(), **one.state_dict()}  # layer 0, embedding, norm and lm_head of the one-layer model
+    for i in (1, 2, 3):
+        for key in (f"model.layers.{i}.self_attn.o_proj.weight", f"model.layers.{i}.mlp.down_proj.weight"):
+            state[key] = torch.zeros_like(state[key])
+    lm.load_state_dict(state)
+    return TargetModel(lm, feature_layers=(1, 2, 3))
 
 
 @functools.cache

@@ -110,13 +110,42 @@ def test_from_target_shapes_and_config(wrapped):
 
 
 def test_from_target_custom_layers_and_seed():
-    target = _target()
-    a = Eagle3DraftModel.from_target(target.model, layers=(0, 1, 3), seed=3)
-    b = Eagle3DraftModel.from_target(target.model, layers=(0, 1, 3), seed=3)
-    assert a.config.feature_layers == (0, 1, 3)
+    target = _target(num_layers=8)
+    a = Eagle3DraftModel.from_target(target.model, layers=(1, 3, 6), seed=3)
+    b = Eagle3DraftModel.from_target(target.model, layers=(1, 3, 6), seed=3)
+    assert a.config.feature_layers == (1, 3, 6)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
-    with pytest.raises(ValueError, match="out of range"):
-        Eagle3DraftModel.from_target(target.model, layers=(0, 1, 4))
+    with pytest.raises(ValueError, match="out of range for a target with 8 layers"):
+        Eagle3DraftModel.from_target(target.model, layers=(1, 3, 8))
+
+
+@pytest.mark.parametrize(
+    ("layers", "why"),
+    [((6, 1, 3), "not ascending: engines capture the layers in layer order"),
+     ((2, 3, 3), "repeat a layer: engines capture each layer once"),
+     ((0, 3, 5), "include layer 0: the input of layer 0 is the token embedding"),
+     ((1, 2), "exactly 3 target layers")],
+)
+def test_feature_layers_an_engine_cannot_capture_are_refused(layers, why):
+    """At head creation (from_target and the config itself) with the reason; import and export use the
+    same check (tests/test_export.py)."""
+    with pytest.raises(ValueError, match=why):
+        Eagle3DraftModel.from_target(_target(num_layers=8).model, layers=layers)
+    with pytest.raises(ValueError, match=why):
+        _config(feature_layers=layers)
+
+
+def test_default_feature_layers_of_small_targets_are_three_distinct_layers():
+    for n in range(4, 64):
+        low, mid, high = default_feature_layers(n)
+        assert 1 <= low < mid < high <= n - 1
+        if n >= 7:  # the engines' own rule wherever it gives three distinct layers
+            assert (low, mid, high) == (2, n // 2, n - 3)
+    assert [default_feature_layers(n) for n in (4, 5, 6)] == [(1, 2, 3), (2, 3, 4), (2, 3, 4)]
+    with pytest.raises(ValueError, match="at least 4 layers"):
+        default_feature_layers(3)
+    head = Eagle3DraftModel.from_target(_target(num_layers=6))
+    assert head.config.feature_layers == (2, 3, 4)
 
 
 def test_reduced_draft_vocabulary_maps():
@@ -143,7 +172,7 @@ def test_draft_vocab_out_of_range_is_refused(vocab):
 def _config(**changes) -> Eagle3Config:
     fields = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   vocab_size=128, draft_vocab_size=15, target_hidden_size=64, target_num_layers=4,
-                  feature_layers=(2, 2, 1))
+                  feature_layers=(1, 2, 3))
     fields.update(changes)
     return Eagle3Config(**fields)
 
@@ -267,16 +296,16 @@ def _public_checkpoint(path, target: TargetModel, draft_ids: list[int], config_e
     [
         ("official", {}, False),  # no layer ids: the target's default layers are meant
         ("official-bin", {}, True),
-        ("sglang-ids", {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 1, 0]}}, False),
+        ("sglang-ids", {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}}, False),
         ("target-hidden-size", {"target_hidden_size": 64}, False),
     ],
 )
 def test_public_eagle3_layout_loads(tmp_path, style, extra, bin_file):
-    target = _target()
+    target = _target(num_layers=8)  # the engines' default layers (2, 4, 5) are valid from 7 layers
     draft_ids = list(range(0, 128, 4))
     state = _public_checkpoint(tmp_path / "head", target, draft_ids, extra, bin_file)
     head = Eagle3DraftModel.from_pretrained(tmp_path / "head", target=target)
-    assert head.config.feature_layers == default_feature_layers(4)  # SGLang ids name the layer before
+    assert head.config.feature_layers == (2, 4, 5) == default_feature_layers(8)  # SGLang ids name the layer before
     assert head.config.draft_vocab_size == 32 and head.draft_to_target.tolist() == draft_ids
     loaded = head.state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
@@ -293,6 +322,13 @@ def test_official_config_without_layers_needs_the_target(tmp_path):
     _public_checkpoint(tmp_path / "head", _target(), list(range(32)), {})
     with pytest.raises(ValueError, match="target"):
         Eagle3DraftModel.from_pretrained(tmp_path / "head")
+
+
+def test_official_config_without_layers_on_a_small_target_is_refused(tmp_path):
+    """Below 7 layers the engines' default layers (2, L//2, L-3) repeat a layer: no engine can serve it."""
+    _public_checkpoint(tmp_path / "head", _target(), list(range(32)), {})
+    with pytest.raises(ValueError, match=r"on a 6-layer target the engines' default layers .* are only \[2, 3\]"):
+        Eagle3DraftModel.from_pretrained(tmp_path / "head", target=_target(num_layers=6))
 
 
 def _broken(state: dict, case: str) -> dict:
@@ -351,7 +387,7 @@ def test_head_of_another_target_is_refused(other, message):
 
 
 def test_feature_layers_must_match_the_target_wrapper():
-    head = Eagle3DraftModel.from_target(_target())  # layers (2, 2, 1)
+    head = Eagle3DraftModel.from_target(_target())  # layers (1, 2, 3)
     with pytest.raises(ValueError, match="feature layers"):
         SpeculativeDecoder(TargetModel(_hf(), feature_layers=(0, 1, 2)), head)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -30,15 +31,15 @@ from eagle_tree.training.ttt import ttt_forward
 GOLDEN = Path(__file__).parent / "golden"
 TREE = et.TreeConfig(depth=3, top_k=2, total_tokens=6)
 DRAFT_VOCAB = list(range(0, 128, 2))
-CUSTOM_LAYERS = (1, 3, 4)  # not the defaults (2, 3, 3) of a 6-layer target
+CUSTOM_LAYERS = (1, 3, 4)  # not the defaults (2, 4, 5) of an 8-layer target
 
 
 @pytest.fixture(scope="module")
 def trained():
-    """A 6-layer tiny llama target, a head trained for a few TTT steps on the target's own greedy
+    """An 8-layer tiny llama target, a head trained for a few TTT steps on the target's own greedy
     continuations (draft vocabulary: the tokens seen plus every 4th id), and two prompts taken from
     those continuations, on which the head gets some draft tokens accepted."""
-    hf = tiny_causal_lm("llama", num_layers=6, initializer_range=0.1)
+    hf = tiny_causal_lm("llama", num_layers=8, initializer_range=0.1)
     hf.config.architectures = ["LlamaForCausalLM"]  # as in the config.json of a saved target
     starts = torch.randint(0, 128, (3, 3), generator=torch.Generator().manual_seed(3))
     x = hf.generate(starts, max_new_tokens=21, min_new_tokens=21, do_sample=False, pad_token_id=0)  # (3, 24)
@@ -143,11 +144,14 @@ def test_expected_shapes_match_the_module(trained):
 
 
 def test_exported_configs_parse_as_transformers_llama_configs(trained, exported):
-    eagle3 = AutoConfig.from_pretrained(exported["eagle3"])  # as SGLang reads the draft's config
-    assert isinstance(eagle3, LlamaConfig) and eagle3.architectures == ["LlamaForCausalLMEagle3"]
+    sglang = AutoConfig.from_pretrained(exported["sglang"])  # as SGLang reads the draft's config
+    assert isinstance(sglang, LlamaConfig) and sglang.architectures == ["LlamaForCausalLMEagle3"]
     vocab = trained[1].config.draft_vocab_size
-    assert (eagle3.num_hidden_layers, eagle3.draft_vocab_size, eagle3.target_hidden_size) == (1, vocab, 64)
-    assert eagle3.rope_parameters["rope_theta"] == 10000.0 and not eagle3.tie_word_embeddings
+    assert (sglang.num_hidden_layers, sglang.draft_vocab_size, sglang.target_hidden_size) == (1, vocab, 64)
+    assert sglang.rope_parameters["rope_theta"] == 10000.0 and not sglang.tie_word_embeddings
+    # the official EAGLE code loads the target's embedding only when target_hidden_size is absent
+    eagle3 = AutoConfig.from_pretrained(exported["eagle3"])
+    assert eagle3.draft_vocab_size == vocab and not hasattr(eagle3, "target_hidden_size")
     spec = json.loads((exported["vllm"] / "config.json").read_text())
     layer = LlamaConfig(**spec["transformer_layer_config"])
     assert (layer.hidden_size, layer.vocab_size, layer.num_hidden_layers) == (64, 128, 1)
@@ -156,7 +160,7 @@ def test_exported_configs_parse_as_transformers_llama_configs(trained, exported)
 
 # ----------------------------------------------------------------------------------------- golden files
 def fixed_head(layers=None) -> tuple[et.Eagle3DraftModel, object]:
-    hf = tiny_causal_lm("llama", num_layers=6)
+    hf = tiny_causal_lm("llama", num_layers=8)
     hf.config.architectures = ["LlamaForCausalLM"]  # as in the config.json of a saved target
     return et.Eagle3DraftModel.from_target(hf, draft_vocab=DRAFT_VOCAB, layers=layers), hf.config
 
@@ -170,15 +174,17 @@ def assert_matches_golden(config: dict, name: str) -> None:
 
 @pytest.mark.parametrize(
     ("layout", "layers", "golden"),
-    [("eagle3", None, "eagle3.json"), ("sglang", None, "eagle3.json"),
+    [("eagle3", None, "eagle3.json"), ("sglang", None, "sglang-default.json"),
      ("sglang", CUSTOM_LAYERS, "sglang.json"), ("vllm", CUSTOM_LAYERS, "vllm.json")],
 )
+@pytest.mark.filterwarnings("ignore:vLLM 0.11.0")
 def test_configs_match_golden_files(tmp_path, layout, layers, golden):
     head, target_config = fixed_head(layers)
     out = export_head(head, tmp_path / layout, layout, target_config=target_config, verifier="eagle-tree/tiny-llama")
     assert_matches_golden(json.loads((out / "config.json").read_text()), golden)
 
 
+@pytest.mark.filterwarnings("ignore:vLLM 0.11.0")
 def test_feature_layer_conventions_of_each_engine(tmp_path):
     head, target_config = fixed_head(CUSTOM_LAYERS)
     sglang = export_head(head, tmp_path / "s", "sglang", target_config=target_config)
@@ -186,13 +192,32 @@ def test_feature_layer_conventions_of_each_engine(tmp_path):
     s_cfg, v_cfg = (json.loads((p / "config.json").read_text()) for p in (sglang, vllm))
     assert s_cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 3]  # SGLang adds 1
     assert v_cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # vLLM captures the input of layer i
-    assert engine_feature_layers("sglang", s_cfg, 6) == engine_feature_layers("vllm", v_cfg, 6) == CUSTOM_LAYERS
+    assert engine_feature_layers("sglang", s_cfg, 8) == engine_feature_layers("vllm", v_cfg, 8) == CUSTOM_LAYERS
     # a SpecForge / SGLang config without eagle-tree's own record reads back with the +1
     del s_cfg["eagle_tree"]
     assert read_config(s_cfg).feature_layers == CUSTOM_LAYERS
-    with pytest.raises(ValueError, match="always reads the default feature layers"):
+    with pytest.raises(ValueError, match="always captures the default feature layers"):
         export_head(head, tmp_path / "e", "eagle3", target_config=target_config)
     assert not (tmp_path / "e").exists()
+
+
+def test_export_warns_where_vllm_0_11_0_would_ignore_a_feature(tmp_path):
+    """vLLM 0.11.0 captures (2, L//2, L-3) whatever the config says and swaps in the target's lm_head
+    for full-vocabulary heads (docs/INTEROP.md, version floors); the export says so."""
+    head, target_config = fixed_head()  # default layers, reduced vocabulary: nothing to warn about
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        export_head(head, tmp_path / "quiet", "vllm", target_config=target_config)
+    custom, _ = fixed_head(CUSTOM_LAYERS)
+    with pytest.warns(UserWarning, match=r"vLLM 0.11.0 ignores eagle_aux_hidden_state_layer_ids.*>= 0.11.1"):
+        export_head(custom, tmp_path / "layers", "vllm", target_config=target_config)
+    hf = tiny_causal_lm("llama", num_layers=8)
+    full = et.Eagle3DraftModel.from_target(hf)
+    with pytest.warns(UserWarning, match=r"vLLM 0.11.0 replaces the lm_head .*>= 0.11.1"):
+        export_head(full, tmp_path / "full", "vllm", target_config=hf.config)
+    with warnings.catch_warnings():  # the SGLang and official layouts carry no such note
+        warnings.simplefilter("error")
+        export_head(full, tmp_path / "full-sglang", "sglang", target_config=hf.config)
 
 
 # ----------------------------------------------------------------------------------------- official EAGLE-3 style
@@ -200,7 +225,7 @@ def official_style(exported, tmp_path):
     folder = tmp_path / "official"
     shutil.copytree(exported["eagle3"], folder)
     config = json.loads((folder / "config.json").read_text())
-    del config["eagle_tree"], config["target_hidden_size"]
+    del config["eagle_tree"]
     (folder / "config.json").write_text(json.dumps(config))
     return folder
 
@@ -211,11 +236,11 @@ def test_official_eagle3_config_assumes_the_targets_default_layers(trained, orig
     with pytest.raises(ValueError, match="names no feature layers"):
         et.Eagle3DraftModel.from_pretrained(folder)
     loaded = et.Eagle3DraftModel.from_pretrained(folder, target=target)
-    assert loaded.config.feature_layers == (2, 3, 3) and loaded.config.target_num_layers == -1
+    assert loaded.config.feature_layers == (2, 4, 5) and loaded.config.target_num_layers == -1
     assert loaded.config.target_hidden_size == 64
     assert_same_behaviour(behaviour(loaded, target, prompts), original)
     other = TargetModel(target.model, feature_layers=CUSTOM_LAYERS)
-    with pytest.raises(ValueError, match=r"feature layers \[2, 3, 3\] vs the target wrapper's \[1, 3, 4\]"):
+    with pytest.raises(ValueError, match=r"feature layers \[2, 4, 5\] vs the target wrapper's \[1, 3, 4\]"):
         et.Eagle3DraftModel.from_pretrained(folder, target=other)
 
 
@@ -255,16 +280,14 @@ def test_corrupted_head_is_refused(trained, exported, tmp_path, layout, how, mes
 def other_target(kind: str, hf):
     if kind == "feature layers":
         return TargetModel(hf, feature_layers=CUSTOM_LAYERS)
-    extra = {"hidden size": {"hidden_size": 48}, "vocabulary": {"vocab_size": 96},
-             "rope theta": {"rope_theta": 500000.0}}[kind]
-    return TargetModel(tiny_causal_lm("llama", num_layers=6, **extra))
+    extra = {"hidden size": {"hidden_size": 48}, "vocabulary": {"vocab_size": 96}}[kind]
+    return TargetModel(tiny_causal_lm("llama", num_layers=8, **extra))
 
 
 @pytest.mark.parametrize(
     ("kind", "message"),
     [("hidden size", "target hidden size 64 vs the target's 48"), ("vocabulary", "vocabulary 128 vs the target's 96"),
-     ("feature layers", r"feature layers \[2, 3, 3\] vs the target wrapper's \[1, 3, 4\]"),
-     ("rope theta", "rope rope_theta 10000.0 vs the target's 500000.0")],
+     ("feature layers", r"feature layers \[2, 4, 5\] vs the target wrapper's \[1, 3, 4\]")],
 )
 @pytest.mark.parametrize("layout", ["sglang", "vllm"])
 def test_head_of_another_target_is_refused(trained, exported, layout, kind, message):
@@ -272,16 +295,48 @@ def test_head_of_another_target_is_refused(trained, exported, layout, kind, mess
         et.Eagle3DraftModel.from_pretrained(exported[layout], target=other_target(kind, trained[0].model))
 
 
+@pytest.mark.parametrize("layout", ["eagle3", "vllm"])
+def test_the_heads_rope_is_its_own_not_the_targets(trained, exported, tmp_path, layout):
+    """Published Llama-3.1 heads name no rope_theta (the draft layer runs with 10000, the engines'
+    default) while the target uses 500000: they load, with the head's rope, on such a target."""
+    target, draft, _ = trained
+    folder = tmp_path / "head"
+    shutil.copytree(exported[layout], folder)
+    config = json.loads((folder / "config.json").read_text())
+    layer = config.get("transformer_layer_config", config)
+    del layer["rope_theta"]
+    (folder / "config.json").write_text(json.dumps(config))
+    other = TargetModel(tiny_causal_lm("llama", num_layers=8, initializer_range=0.1, rope_theta=500000.0))
+    loaded = et.Eagle3DraftModel.from_pretrained(folder, target=other)
+    assert loaded.config.rope_parameters == {"rope_type": "default", "rope_theta": 10000.0}
+    assert loaded.config == draft.config
+    out = export_head(loaded, tmp_path / "again", layout, target_config=other.config)
+    again = json.loads((out / "config.json").read_text())
+    assert again.get("transformer_layer_config", again)["rope_theta"] == 10000.0
+    # negative control: a head whose own rope differs drafts differently
+    changed = copy.deepcopy(loaded)
+    changed.config.rope_parameters = {"rope_type": "default", "rope_theta": 500000.0}
+    changed.rotary_emb = type(loaded.rotary_emb)(changed.config.llama_config())
+    mine, theirs = behaviour(loaded, target, [torch.tensor([[5, 9, 3, 7, 11, 2]])], decode=False), \
+        behaviour(changed, target, [torch.tensor([[5, 9, 3, 7, 11, 2]])], decode=False)
+    assert not torch.allclose(mine["logits"][0], theirs["logits"][0])
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
-    [({"norm_before_residual": True}, "norm_before_residual=true"),
-     ({"norm_before_residual": None}, "does not say norm_before_residual"),
+    [({"norm_before_residual": None}, "does not say norm_before_residual"),
      ({"speculators_model_type": "mlp"}, "speculators 'mlp' model"),
-     ({"norm_before_fc": True}, "unsupported EAGLE-3 variant"),
-     ({"transformer_layer_config": {"num_hidden_layers": 2}}, "num_hidden_layers=2")],
+     ({"norm_before_fc": True}, "unsupported EAGLE-3 variant norm_before_fc"),
+     ({"fc_norm": True}, "unsupported EAGLE-3 variant fc_norm"),
+     ({"norm_output": True}, "unsupported EAGLE-3 variant norm_output"),
+     ({"transformer_layer_config": {"num_hidden_layers": 2}}, "num_hidden_layers=2"),
+     ({"eagle_aux_hidden_state_layer_ids": [4, 1, 3]}, "not ascending: engines capture the layers in layer order"),
+     ({"eagle_aux_hidden_state_layer_ids": [1, 3, 3]}, "repeat a layer: engines capture each layer once"),
+     ({"eagle_aux_hidden_state_layer_ids": [0, 3, 4]}, "include layer 0: the input of layer 0 is the token embedding")],
 )
 def test_unsupported_speculators_configs_are_refused(exported, change, message):
     config = json.loads((exported["vllm"] / "config.json").read_text())
+    del config["eagle_tree"]
     for key, value in change.items():
         if isinstance(value, dict):
             config[key].update(value)
@@ -291,6 +346,21 @@ def test_unsupported_speculators_configs_are_refused(exported, change, message):
             config[key] = value
     with pytest.raises(ValueError, match=message):
         read_config(config)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [({"fc_norm": True}, "fc_norm"), ({"norm_before_fc": True}, "norm_before_fc"),
+     ({"norm_output": True}, "norm_output=True"), ({"norm_output": False}, "norm_output=False"),
+     ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [5, 0, 2]}}, "not ascending")],
+)
+def test_unsupported_llama_style_configs_are_refused(exported, change, message):
+    """SpecForge / SGLang style configs: the Eagle 3.1 variants and unusable layer ids are refused."""
+    config = json.loads((exported["sglang"] / "config.json").read_text())
+    del config["eagle_tree"]
+    config.update(change)
+    with pytest.raises(ValueError, match=message):
+        read_config(config, target_num_layers=8)
 
 
 def test_export_validates_before_writing_and_replaces_atomically(trained, tmp_path):
@@ -305,8 +375,8 @@ def test_export_validates_before_writing_and_replaces_atomically(trained, tmp_pa
     with pytest.raises(ValueError, match="d2t and t2d disagree"):
         export_head(broken, out, "sglang", target_config=target.config)
     assert (out / "model.safetensors").read_bytes() == before
-    other = TargetModel(tiny_causal_lm("llama", num_layers=6, rope_theta=500000.0))
-    with pytest.raises(ValueError, match="rope rope_theta"):
+    other = TargetModel(tiny_causal_lm("llama", num_layers=8, vocab_size=96))
+    with pytest.raises(ValueError, match="vocabulary 128 vs the target's 96"):
         export_head(draft, tmp_path / "never", "vllm", target_config=other.config)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["head"]  # no temporary folders left
 
@@ -331,7 +401,7 @@ def test_export_command(trained, exported, tmp_path, capsys):
     with_target = ["--target", str(tmp_path / "target")]
     assert export_main(["--to", "sglang", str(official), str(tmp_path / "s"), *with_target]) == 0
 
-    tiny_causal_lm("llama", num_layers=6, vocab_size=96).save_pretrained(tmp_path / "other")
+    tiny_causal_lm("llama", num_layers=8, vocab_size=96).save_pretrained(tmp_path / "other")
     assert export_main(["--to", "eagle3", str(tmp_path / "native"), str(tmp_path / "e"),
                         "--target", str(tmp_path / "other")]) == 2
     assert "vocabulary 128 vs the target's 96" in capsys.readouterr().err and not (tmp_path / "e").exists()
@@ -357,7 +427,7 @@ def test_head_artifact_is_logged_offline(exported, tmp_path, monkeypatch):
     assert first["type"] == "model" and first["files"] == ["config.json", "model.safetensors"]
     assert first["metadata"]["config"] == run_config and first["metadata"]["acceptance_length"] == 2.75
     assert first["metadata"]["layout"] == "eagle3"
-    assert first["metadata"]["head_config"]["eagle_tree"] == {"feature_layers": [2, 3, 3], "target_num_layers": 6}
+    assert first["metadata"]["head_config"]["eagle_tree"] == {"feature_layers": [2, 4, 5], "target_num_layers": 8}
     assert arts["head-vllm"]["metadata"]["acceptance_length"] is None
     assert arts["head-vllm"]["metadata"]["layout"] == "vllm"
     with pytest.raises(FileNotFoundError, match="holds no config.json"):

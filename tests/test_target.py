@@ -69,7 +69,7 @@ def _prefilled(target: TargetModel, prefix: list[int]):
 
 def test_default_feature_layers():
     assert default_feature_layers(32) == (2, 16, 29)
-    assert TargetModel(_model("llama")).feature_layers == (2, 2, 1)  # 4 layers
+    assert TargetModel(_model("llama")).feature_layers == (1, 2, 3)  # 4 layers: three distinct layers
     assert TargetModel(tiny_causal_lm(num_layers=8)).feature_layers == (2, 4, 5)
 
 
@@ -247,7 +247,7 @@ def test_bad_feature_layers_are_rejected(layers, pattern):
 
 
 def test_default_feature_layers_need_three_layers():
-    with pytest.raises(ValueError, match=r"\[0, 2\).*2 decoder layers"):
+    with pytest.raises(ValueError, match=r"at least 4 layers.*2 decoder layers"):
         TargetModel(tiny_causal_lm(num_layers=2))
 
 

@@ -7,6 +7,7 @@ The layouts themselves (config and key names, validation) are :mod:`eagle_tree.m
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -20,10 +21,29 @@ from eagle_tree.models.head_config import (
     check_head_matches_target,
     text_config,
 )
-from eagle_tree.models.layouts import layout_config, layout_state, validate_layout
+from eagle_tree.models.layouts import engine_default_layers, layout_config, layout_state, validate_layout
 from eagle_tree.utils.atomic import atomic_dir
 
-__all__ = ["export_head"]
+__all__ = ["export_head", "older_engine_warnings"]
+
+
+def older_engine_warnings(cfg: Eagle3Config, layout: str, num_layers: int | None = None) -> list[str]:
+    """What an older engine release would ignore in this export (docs/INTEROP.md, version floors).
+
+    vLLM 0.11.0 captures the layers (2, L // 2, L - 3) whatever the config names, and uses the
+    target's lm_head in place of the draft's when the draft vocabulary is the whole target vocabulary;
+    both are read correctly from vLLM 0.11.1."""
+    if layout != "vllm":
+        return []
+    out = []
+    n = cfg.target_num_layers if num_layers is None else num_layers
+    if n is None or n < 0 or tuple(cfg.feature_layers) != engine_default_layers(n):
+        out.append(f"vLLM 0.11.0 ignores eagle_aux_hidden_state_layer_ids and captures the layers (2, L//2, L-3); "
+                   f"this head reads {list(cfg.feature_layers)}: serve it with vLLM >= 0.11.1")
+    if cfg.draft_vocab_size == cfg.vocab_size:
+        out.append("vLLM 0.11.0 replaces the lm_head of a head whose draft vocabulary is the whole target "
+                   "vocabulary by the target's lm_head: serve it with vLLM >= 0.11.1")
+    return out
 
 
 def export_head(
@@ -57,6 +77,8 @@ def export_head(
     if asdict(back) != asdict(cfg):
         changed = [k for k, v in asdict(cfg).items() if asdict(back)[k] != v]
         raise ValueError(f"the {layout} config does not read back as the head's own config: {changed} differ")
+    for message in older_engine_warnings(cfg, layout, num_layers):
+        warnings.warn(message, UserWarning, stacklevel=2)
     return _write_atomically(Path(out), config, state)
 
 

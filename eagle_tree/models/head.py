@@ -85,12 +85,15 @@ class Eagle3DecoderLayer(nn.Module):
         self.self_attn = Eagle3Attention(cfg)
         self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = LlamaMLP(llama)
+        self.norm_before_residual = cfg.norm_before_residual
 
     def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # (B, T, 2H)
 
     def finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + attn_out
+        """hidden: the layer's input feature (B, T, H); the residual stream is that feature, or its
+        ``hidden_norm`` for ``norm_before_residual`` heads."""
+        hidden = (self.hidden_norm(hidden) if self.norm_before_residual else hidden) + attn_out
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -134,10 +137,7 @@ class Eagle3DraftModel(nn.Module):
         tc = hf.config
         n_layers = tc.num_hidden_layers
         layers = tuple(layers) if layers is not None else getattr(target_model, "feature_layers", None)
-        layers = tuple(layers) if layers is not None else default_feature_layers(n_layers)
-        for i in layers:
-            if not 0 <= i < n_layers:
-                raise ValueError(f"feature layer {i} is out of range for a target with {n_layers} layers")
+        layers = tuple(layers) if layers is not None else default_feature_layers(n_layers)  # checked by the config
         vocab = tc.vocab_size
         ids = torch.arange(vocab) if draft_vocab is None else torch.as_tensor(draft_vocab).long().unique()
         if ids.numel() == 0 or ids.min() < 0 or ids.max() >= vocab:

@@ -17,6 +17,30 @@ from transformers import LlamaConfig
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+DEFAULT_ROPE_THETA = 10000.0  # what transformers 4.x, the EAGLE trainers and the engines use when a config names none
+
+
+def check_feature_layers(layers, num_layers: int | None = None) -> tuple[int, int, int]:
+    """The three feature layers as a tuple, refused unless an engine can capture them as the head reads
+    them: strictly ascending, each >= 1 and < ``num_layers`` (the target's layer count; -1 or None =
+    unknown). Engines capture the input of each chosen layer once, in layer order, and concatenate."""
+    layers = tuple(int(i) for i in layers)
+    if len(layers) != 3:
+        raise ValueError(f"an EAGLE-3 head fuses exactly 3 target layers, got {list(layers)}")
+    if len(set(layers)) != 3:
+        raise ValueError(f"feature layers {list(layers)} repeat a layer: engines capture each layer once, so fc "
+                         "(input 3 x hidden) would get only the distinct ones; choose 3 distinct layers")
+    if list(layers) != sorted(layers):
+        raise ValueError(f"feature layers {list(layers)} are not ascending: engines capture the layers in layer "
+                         f"order and concatenate them, so fc would read a permuted input; use {sorted(layers)} "
+                         "(and train the head on that order)")
+    if layers[0] < 1:
+        raise ValueError(f"feature layers {list(layers)} include layer {layers[0]}: the input of layer 0 is the "
+                         "token embedding, which no engine captures (it has no residual yet); use layers >= 1")
+    if num_layers is not None and num_layers >= 0 and layers[-1] >= num_layers:
+        raise ValueError(f"feature layers {list(layers)} are out of range for a target with {num_layers} layers "
+                         f"(valid: 1 to {num_layers - 1})")
+    return layers  # type: ignore[return-value]
 
 
 @dataclass
@@ -35,13 +59,13 @@ class Eagle3Config:
     feature_layers: tuple[int, int, int]  # hidden states entering these target layers
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 2048
-    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": DEFAULT_ROPE_THETA})
     hidden_act: str = "silu"
+    norm_before_residual: bool = False  # residual stream taken after hidden_norm (a speculators / vLLM variant)
 
     def __post_init__(self) -> None:
-        self.feature_layers = tuple(int(i) for i in self.feature_layers)
-        if len(self.feature_layers) != 3:
-            raise ValueError(f"an EAGLE-3 head fuses exactly 3 target layers, got {self.feature_layers}")
+        self.feature_layers = check_feature_layers(self.feature_layers, self.target_num_layers)
+        self.norm_before_residual = bool(self.norm_before_residual)
         if not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(
                 f"draft_vocab_size must lie in [1, vocab_size={self.vocab_size}], got {self.draft_vocab_size}"
@@ -101,7 +125,9 @@ def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, cfg: Eagle3Config) ->
 
 
 def check_head_matches_target(cfg: Eagle3Config, target_config, target_layers=None) -> None:
-    """Refuse a head whose shapes, vocabulary, feature layers or rope settings differ from the target's."""
+    """Refuse a head whose shapes, vocabulary or feature layers differ from the target's. The rope
+    settings are not compared: the draft layer's rope is the head's own (published Llama-3.1 heads use
+    theta 10000 on targets with 500000, and the engines run them so)."""
     problems = []
     if cfg.target_hidden_size != target_config.hidden_size:
         problems.append(f"target hidden size {cfg.target_hidden_size} vs the target's {target_config.hidden_size}")
@@ -117,14 +143,6 @@ def check_head_matches_target(cfg: Eagle3Config, target_config, target_layers=No
         problems.append(f"feature layers {list(cfg.feature_layers)} out of range for {n_layers} layers")
     if target_layers is not None and tuple(target_layers) != tuple(cfg.feature_layers):
         problems.append(f"feature layers {list(cfg.feature_layers)} vs the target wrapper's {list(target_layers)}")
-    rope = getattr(target_config, "rope_parameters", None)
-    if rope is None and getattr(target_config, "rope_theta", None) is not None:  # transformers 4.x config
-        rope = {**(getattr(target_config, "rope_scaling", None) or {}), "rope_theta": target_config.rope_theta}
-    if rope is not None and cfg.rope_parameters:
-        for key in sorted(set(rope) & set(cfg.rope_parameters)):  # type, theta and the scaling fields
-            mine, theirs = cfg.rope_parameters[key], rope[key]
-            if not isinstance(theirs, dict) and mine != theirs:  # dict: per-layer-type rope, not compared
-                problems.append(f"rope {key} {mine} vs the target's {theirs}")
     if problems:
         raise ValueError("this draft head does not belong to this target: " + "; ".join(problems))
 
@@ -139,7 +157,9 @@ __all__ = [
     "ARCHITECTURE",
     "CONFIG_NAME",
     "WEIGHTS_NAME",
+    "DEFAULT_ROPE_THETA",
     "Eagle3Config",
+    "check_feature_layers",
     "check_head_matches_target",
     "check_vocab_maps",
     "text_config",

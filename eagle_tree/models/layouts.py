@@ -4,10 +4,12 @@ read, write a layout's config and weights, validate); :mod:`eagle_tree.models.ex
 Layouts (``docs/INTEROP.md`` says which engine versions they were written for and what is assumed):
 
 * ``eagle3``: the official EAGLE-3 checkpoint layout. ``config.json`` is a one-layer Llama config
-  (transformers 4.x keys) with ``architectures = ["LlamaForCausalLMEagle3"]``, ``draft_vocab_size``
-  and ``target_hidden_size``; ``model.safetensors`` holds ``fc``, ``midlayer.*``, ``norm``,
-  ``lm_head``, ``d2t``, ``t2d``. The reference EAGLE code always reads the default feature layers,
-  so heads on other layers are refused for this layout.
+  (transformers 4.x keys) with ``architectures = ["LlamaForCausalLMEagle3"]`` and ``draft_vocab_size``,
+  as the official code reads it: no ``target_hidden_size`` (with it, that code skips loading the
+  target's embedding), ``rope_scaling`` only as ``{type: linear|dynamic, factor}``, head_dim equal to
+  hidden_size / heads; ``model.safetensors`` holds ``fc``, ``midlayer.*``, ``norm``, ``lm_head``,
+  ``d2t``, ``t2d``. The official code always captures the default feature layers, so heads on
+  other layers are refused for this layout.
 * ``sglang``: the same files, the layout SGLang's ``LlamaForCausalLMEagle3`` loads; heads on
   non-default feature layers also get ``eagle_config.eagle_aux_hidden_state_layer_ids``.
 * ``vllm``: the vLLM speculators layout (``Eagle3SpeculatorConfig``): ``speculators_model_type``,
@@ -16,13 +18,14 @@ Layouts (``docs/INTEROP.md`` says which engine versions they were written for an
   ``midlayer.*``.
 
 Feature layers are where an export most often goes silently wrong ("zero acceptance"). eagle-tree's
-``feature_layers`` are the target layers whose *input* hidden states are fused (default
-``(2, L // 2, L - 3)``). vLLM captures the input of layer ``i`` for each id ``i``, so its ids equal
-``feature_layers``; SGLang captures the input of layer ``i + 1`` for each id ``i`` in
-``eagle_config`` (the id names the layer whose *output* is taken), so its ids are
-``feature_layers - 1``. Both engines use the default layers when no ids are given, so heads on the
-default layers are written without ids in the EAGLE-3 / SGLang layout and read the same way by
-every engine. Each export is validated before anything is written, then written atomically.
+``feature_layers`` are the target layers whose *input* hidden states are fused, strictly ascending,
+each in [1, L - 1] (:func:`eagle_tree.models.head_config.check_feature_layers` says why). vLLM
+captures the input of layer ``i`` for each id ``i``, so its ids equal ``feature_layers``; SGLang
+captures the input of layer ``i + 1`` for each id ``i`` in ``eagle_config`` (the id names the layer
+whose *output* is taken), so its ids are ``feature_layers - 1``. Engines use the layers
+``(2, L // 2, L - 3)`` (:func:`engine_default_layers`) when no ids are given, so heads on exactly
+those layers are written without ids in the EAGLE-3 / SGLang layout and read the same way by every
+engine. Each export is validated before anything is written, then written atomically.
 """
 
 from __future__ import annotations
@@ -35,16 +38,18 @@ import torch
 from eagle_tree.models.head_config import (
     ARCHITECTURE,
     CONFIG_NAME,
+    DEFAULT_ROPE_THETA,
     WEIGHTS_NAME,
     Eagle3Config,
+    check_feature_layers,
     check_head_matches_target,
     check_vocab_maps,
     text_config,
 )
-from eagle_tree.models.target import default_feature_layers
 
 __all__ = [
     "LAYOUTS",
+    "engine_default_layers",
     "detect_layout",
     "read_config",
     "read_head",
@@ -59,7 +64,20 @@ LAYOUTS = ("eagle3", "sglang", "vllm")
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 SPECULATORS_VERSION = "0.3.0"  # the Eagle3SpeculatorConfig schema these configs follow
 UNSUPPORTED_FLAGS = ("attention_bias", "mlp_bias", "bias", "tie_word_embeddings")
-UNSUPPORTED_SPECULATORS_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
+# EAGLE-3 variants (the "Eagle 3.1" options of speculators >= 0.7 and SpecForge) that eagle-tree's head
+# does not compute: reading such a head as a plain EAGLE-3 head would draft something else.
+UNSUPPORTED_VARIANTS = {
+    "norm_before_fc": "one RMSNorm (weight input_norm) over the concatenated target features before fc",
+    "fc_norm": "an RMSNorm on each of the three target features (weights fc_norm.0-2) before fc",
+    "norm_output": "speculators: the final-normalised output is fed back as the next step's feature; "
+                   "SpecForge: whether the final norm precedes lm_head (the file does not say which reading)",
+}
+
+
+def engine_default_layers(num_layers: int) -> tuple[int, ...]:
+    """The layers vLLM, SGLang and the official EAGLE code capture when a config names none: the inputs
+    of layers 2, L // 2 and L - 3, each once, in layer order (fewer than three on targets below 7 layers)."""
+    return tuple(sorted({2, num_layers // 2, num_layers - 3}))
 
 
 # --------------------------------------------------------------------------------------------- reading
@@ -74,7 +92,7 @@ def read_config(d: dict, target_num_layers: int | None = None) -> Eagle3Config:
     """An :class:`Eagle3Config` from any config layout above, or eagle-tree's own.
 
     ``target_num_layers`` (the target's layer count) is used only when the config names no feature
-    layers, as in the official EAGLE-3 repository's configs: then the target's default layers are
+    layers, as in the official EAGLE-3 repository's configs: then the engines' default layers are
     assumed, and the head's ``target_num_layers`` stays unknown (-1).
     """
     if "speculators_model_type" in d:
@@ -97,7 +115,8 @@ def _read_llama_style(d: dict, target_num_layers: int | None) -> Eagle3Config:
         layers = [int(i) + 1 for i in aux]
     else:  # a flattened vLLM config: ids are the layers whose input is captured
         layers = d.get("eagle_aux_hidden_state_layer_ids")
-    return _config(d, d, layers, d.get("target_num_layers", ours.get("target_num_layers")), target_num_layers)
+    return _config(d, d, layers, d.get("target_num_layers", ours.get("target_num_layers")), target_num_layers,
+                   bool(d.get("norm_before_residual", False)))
 
 
 def _read_speculators(d: dict, target_num_layers: int | None) -> Eagle3Config:
@@ -110,18 +129,14 @@ def _read_speculators(d: dict, target_num_layers: int | None) -> Eagle3Config:
     if "norm_before_residual" not in d:
         raise ValueError(
             "the speculators config does not say norm_before_residual: vLLM then assumes true and "
-            "speculators false, so the head's residual stream is ambiguous"
+            "speculators false, so the head's residual stream is ambiguous; add the key"
         )
-    if d["norm_before_residual"]:
-        raise ValueError("norm_before_residual=true heads (residual taken after hidden_norm) are not supported")
-    flags = [k for k in UNSUPPORTED_SPECULATORS_FLAGS if d.get(k)]
-    if flags:
-        raise ValueError(f"unsupported EAGLE-3 variant: {flags} set in the speculators config")
+    _refuse_variants(d, "the speculators config")
     _refuse_variants(layer, "transformer_layer_config")
     ours = d.get("eagle_tree") or {}
     top = {**d, "hidden_size": layer.get("hidden_size")}
     return _config(layer, top, d.get("eagle_aux_hidden_state_layer_ids"), ours.get("target_num_layers"),
-                   target_num_layers)
+                   target_num_layers, bool(d["norm_before_residual"]))
 
 
 def _refuse_variants(d: dict, where: str) -> None:
@@ -132,19 +147,29 @@ def _refuse_variants(d: dict, where: str) -> None:
     if flags:
         raise ValueError(f"{where}: unsupported EAGLE-3 variant, {flags} set (eagle-tree heads have no biases "
                          "and their own lm_head)")
+    for key, what in UNSUPPORTED_VARIANTS.items():
+        if d.get(key) or (key == "norm_output" and key in d and "speculators_model_type" not in d):
+            raise ValueError(f"{where}: unsupported EAGLE-3 variant {key}={d[key]} ({what}); eagle-tree's head "
+                             "does not compute it, so it would draft differently from the trainer and the engines")
 
 
-def _config(layer: dict, top: dict, layers, n_target, target_num_layers: int | None) -> Eagle3Config:
+def _config(layer: dict, top: dict, layers, n_target, target_num_layers: int | None,
+            norm_before_residual: bool) -> Eagle3Config:
     """layer: the decoder layer's Llama fields; top: draft_vocab_size, target_hidden_size."""
     n_target = None if n_target in (None, -1) else int(n_target)
     if layers is None:
         if n_target is None and target_num_layers is None:
             raise ValueError(
-                "the head config names no feature layers (official EAGLE-3 style: the target's default "
+                "the head config names no feature layers (official EAGLE-3 style: the engines' default "
                 "layers 2, L//2, L-3 are meant), so the target's layer count is needed: load it with "
                 "from_pretrained(path, target=...) or export it with --target"
             )
-        layers = default_feature_layers(n_target if n_target is not None else target_num_layers)
+        n = n_target if n_target is not None else target_num_layers
+        layers = engine_default_layers(n)
+        if len(layers) != 3:
+            raise ValueError(f"the head config names no feature layers, and on a {n}-layer target the engines' "
+                             f"default layers (2, L//2, L-3) are only {list(layers)}: such a head cannot be "
+                             "served; name its layers in the config")
     heads = layer["num_attention_heads"]
     return Eagle3Config(
         hidden_size=layer["hidden_size"],
@@ -161,6 +186,7 @@ def _config(layer: dict, top: dict, layers, n_target, target_num_layers: int | N
         max_position_embeddings=layer.get("max_position_embeddings", 2048),
         rope_parameters=_rope(layer),
         hidden_act=layer.get("hidden_act", "silu"),
+        norm_before_residual=norm_before_residual,
     )
 
 
@@ -172,9 +198,9 @@ def _rope(d: dict) -> dict:
     else:
         rope = dict(d.get("rope_scaling") or {})
         rope["rope_type"] = rope.pop("type", rope.get("rope_type", "default"))
-        rope["rope_theta"] = d.get("rope_theta", 10000.0)
+        rope["rope_theta"] = d.get("rope_theta", DEFAULT_ROPE_THETA)
     rope.setdefault("rope_type", "default")
-    rope["rope_theta"] = float(rope.get("rope_theta", 10000.0))
+    rope["rope_theta"] = float(rope.get("rope_theta", DEFAULT_ROPE_THETA))
     return rope
 
 
@@ -217,7 +243,7 @@ def read_head(path: str | Path, target_num_layers: int | None = None) -> tuple[E
 def _llama_fields(cfg: Eagle3Config) -> dict:
     """The single decoder layer as a Llama config, in transformers 4.x keys (5.x reads them too)."""
     rope = dict(cfg.rope_parameters)
-    theta = float(rope.pop("rope_theta", 10000.0))
+    theta = float(rope.pop("rope_theta", DEFAULT_ROPE_THETA))
     scaling = None if rope.get("rope_type", "default") == "default" and set(rope) <= {"rope_type"} else rope
     return {
         "model_type": "llama",
@@ -239,11 +265,32 @@ def _llama_fields(cfg: Eagle3Config) -> dict:
     }
 
 
+OFFICIAL_ROPE_SCALING = ("linear", "dynamic")  # what the official EAGLE code's EConfig accepts
+
+
+def _official_fields(cfg: Eagle3Config) -> dict:
+    """The Llama fields as the official EAGLE-3 code reads them, or a ValueError naming what it cannot."""
+    fields = _llama_fields(cfg)
+    if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
+        raise ValueError(f"the official EAGLE code derives head_dim as hidden_size / num_attention_heads = "
+                         f"{cfg.hidden_size // cfg.num_attention_heads}, but this head's head_dim is {cfg.head_dim}: "
+                         "export with --to sglang or --to vllm")
+    scaling = fields["rope_scaling"]
+    if scaling is not None:  # EConfig accepts exactly {"type": linear|dynamic, "factor": float > 1}
+        kind = scaling.get("rope_type", scaling.get("type"))
+        extra = sorted(set(scaling) - {"rope_type", "type", "factor"})
+        if kind not in OFFICIAL_ROPE_SCALING or extra or not float(scaling.get("factor", 0)) > 1:
+            raise ValueError(f"the official EAGLE code reads rope_scaling only as {{type: linear|dynamic, factor > 1}} "
+                             f"and this head's rope is {dict(scaling)}: export with --to sglang or --to vllm")
+        fields["rope_scaling"] = {"type": kind, "factor": float(scaling["factor"])}
+    return fields
+
+
 def _uses_default_layers(cfg: Eagle3Config, num_layers: int | None) -> bool | None:
-    """Whether the head reads the default layers of its target; None when the layer count is unknown."""
+    """Whether the engines' default layers are the head's; None when the layer count is unknown."""
     if num_layers is None or num_layers < 0:
         return None
-    return tuple(cfg.feature_layers) == default_feature_layers(num_layers)
+    return tuple(cfg.feature_layers) == engine_default_layers(num_layers)
 
 
 def layout_config(
@@ -257,10 +304,12 @@ def layout_config(
     dtype: str = "float32",
 ) -> dict:
     """config.json of ``layout`` for a head. num_layers: the target's layer count (default: the
-    head's own record of it); verifier, verifier_architectures, speculative_tokens: vLLM only."""
+    head's own record of it); verifier, verifier_architectures, speculative_tokens: vLLM only.
+    Raises ValueError when the layout's engine cannot run the head as it is."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
     num_layers = cfg.target_num_layers if num_layers is None else num_layers
+    check_feature_layers(cfg.feature_layers, num_layers)
     ours = {"feature_layers": list(cfg.feature_layers), "target_num_layers": cfg.target_num_layers}
     common = {"draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
               "torch_dtype": dtype}
@@ -275,7 +324,7 @@ def layout_config(
             "speculators_version": SPECULATORS_VERSION,
             "transformer_layer_config": _llama_fields(cfg),
             **common,
-            "norm_before_residual": False,
+            "norm_before_residual": cfg.norm_before_residual,
             "eagle_aux_hidden_state_layer_ids": list(cfg.feature_layers),
             "speculators_config": {
                 "algorithm": "eagle3",
@@ -285,15 +334,25 @@ def layout_config(
             },
             "eagle_tree": ours,
         }
+    if cfg.norm_before_residual:
+        raise ValueError(f"this head takes its residual after hidden_norm (norm_before_residual), which the "
+                         f"{'SGLang' if layout == 'sglang' else 'official EAGLE'} layer does not do: export with "
+                         "--to vllm")
     default = _uses_default_layers(cfg, num_layers)
+    if layout == "eagle3":
+        if not default:
+            why = ("the target's layer count is unknown (pass --target)" if default is None else
+                   f"they are not the layers {list(engine_default_layers(num_layers))} (2, L//2, L-3) it captures "
+                   f"on a {num_layers}-layer target")
+            raise ValueError(
+                f"the official EAGLE code always captures the default feature layers, but this head reads "
+                f"{list(cfg.feature_layers)} and {why}: export with --to sglang or --to vllm, which record the layers"
+            )
+        # no target_hidden_size: with that key the official code skips loading the target's embedding
+        # (and loads with strict=False), so the draft would run on a random embedding
+        common.pop("target_hidden_size")
+        return {"architectures": [ARCHITECTURE], **_official_fields(cfg), **common, "eagle_tree": ours}
     config = {"architectures": [ARCHITECTURE], **_llama_fields(cfg), **common}
-    if layout == "eagle3" and not default:
-        why = ("the target's layer count is unknown (pass --target)" if default is None else
-               f"they are not the defaults {list(default_feature_layers(num_layers))} of a {num_layers}-layer target")
-        raise ValueError(
-            f"the EAGLE-3 reference code always reads the default feature layers, but this head reads "
-            f"{list(cfg.feature_layers)} and {why}: export with --to sglang or --to vllm, which record the layers"
-        )
     if not default:  # SGLang ids name the layer whose output is captured
         config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in cfg.feature_layers],
                                   "use_aux_hidden_state": True}
@@ -351,7 +410,7 @@ def engine_feature_layers(layout: str, config: dict, num_layers: int | None) -> 
         ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         if ids:
             return tuple(i + 1 for i in ids)
-    return None if num_layers is None or num_layers < 0 else default_feature_layers(num_layers)
+    return None if num_layers is None or num_layers < 0 else engine_default_layers(num_layers)
 
 
 def validate_layout(layout: str, config: dict, state: dict, target_config=None) -> Eagle3Config:

@@ -48,8 +48,15 @@ class TargetOutput:
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's choice: the hidden states entering layers 2, L // 2 and L - 3."""
-    return (2, num_layers // 2, num_layers - 3)
+    """EAGLE-3's choice, the hidden states entering layers 2, L // 2 and L - 3, whenever those are
+    three distinct layers (L >= 7); smaller targets get the nearest three distinct ascending layers in
+    [1, L - 1] ((1, 2, 3) for L = 4, (2, 3, 4) for L = 5 and 6). Fewer than 4 layers are refused."""
+    if num_layers < 4:
+        raise ValueError(f"the default feature layers need a target with at least 4 layers (three distinct "
+                         f"layers in [1, L - 1]); this one has {num_layers} decoder layers: pass feature_layers")
+    low = min(2, num_layers - 3)
+    high = max(num_layers - 3, low + 2)
+    return (low, min(max(num_layers // 2, low + 1), high - 1), high)
 
 
 def _check_feature_layers(layers: Sequence[int], num_layers: int) -> tuple[int, int, int]:
