@@ -323,6 +323,9 @@ def test_norm_before_residual_heads_match_the_vllm_forward(tmp_path):
     assert compare(head, folder) < TOLERANCE
     loaded = Eagle3DraftModel.from_pretrained(folder, target=target(CUSTOM_LAYERS))
     assert loaded.config.norm_before_residual and compare(loaded, folder) < TOLERANCE
+    loaded.save_pretrained(tmp_path / "own")  # eagle-tree's own format keeps the variant
+    again = Eagle3DraftModel.from_pretrained(tmp_path / "own", target=target(CUSTOM_LAYERS))
+    assert again.config == head.config and compare(again, folder) < TOLERANCE
     plain = copy.deepcopy(head)  # negative control: the same weights with the residual before the norm
     plain.midlayer.norm_before_residual = False
     assert compare(plain, folder) > 1e-2

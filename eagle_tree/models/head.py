@@ -3,13 +3,15 @@
 One decoder layer reads, at position ``j``, the fused target feature ``fc([f_low; f_mid; f_high])``
 (or, when drafting deeper, the head's own output feature of the previous step) together with the
 embedding of the next token ``x_{j+1}``; each is RMS-normalised and the two are concatenated (2H)
-as the attention input, with the feature as the residual stream. A final norm and a head over a
+as the attention input, with the feature as the residual stream (its ``hidden_norm`` for
+``norm_before_residual`` heads, a speculators / vLLM variant). A final norm and a head over a
 reduced draft vocabulary give the logits for ``x_{j+2}``; ``d2t`` maps draft ids to target ids
 (``target = draft + d2t[draft]``) and ``t2d`` marks the target ids that the draft vocabulary holds.
 
 Weights follow the public EAGLE-3 checkpoint layout (``fc``, ``midlayer.*``, ``norm``, ``lm_head``,
 ``d2t``, ``t2d``); the token embedding is the target's own (frozen) and is not saved: it is bound
-from the target with :meth:`Eagle3DraftModel.bind_target`.
+from the target with :meth:`Eagle3DraftModel.bind_target`. The config, vocabulary maps and checks
+are in :mod:`eagle_tree.models.head_config`, the engine layouts in :mod:`eagle_tree.models.layouts`.
 """
 
 from __future__ import annotations
