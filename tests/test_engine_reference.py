@@ -97,10 +97,11 @@ class EngineReference:
     """The draft forward of an engine for an export folder, from the loading rules in the docstring."""
 
     def __init__(self, folder: Path, target_hf, engine: str, *, swap_norms=False, d2t_absolute=False,
-                 hidden_first=False, sglang_ids_without_offset=False, ignore_rope_scaling=False):
+                 hidden_first=False, sglang_ids_without_offset=False, ignore_rope_scaling=False,
+                 skip_feature_norms=False):
         config = json.loads((folder / "config.json").read_text())
         weights = load_file(str(folder / "model.safetensors"))
-        self.controls = dict(swap_norms=swap_norms, hidden_first=hidden_first)
+        self.controls = dict(swap_norms=swap_norms, hidden_first=hidden_first, skip_feature_norms=skip_feature_norms)
         num_layers = target_hf.config.num_hidden_layers
         if engine == "vllm":  # a speculators config
             layer = config["transformer_layer_config"]
@@ -154,6 +155,11 @@ class EngineReference:
         """feature (T, 3H) target features (fused=False) or (T, H) the previous outputs; tokens (T,)
         target ids. Returns (pre-norm outputs (T, H), logits over the target vocabulary (T, V))."""
         w, eps = self.w, self.eps
+        if not fused and "input_norm.weight" in w and not self.controls["skip_feature_norms"]:
+            feature = rms_norm(feature, w["input_norm.weight"], eps)  # norm_before_fc
+        if not fused and "fc_norm.0.weight" in w and not self.controls["skip_feature_norms"]:
+            parts = feature.chunk(3, dim=-1)  # fc_norm: one norm per captured layer
+            feature = torch.cat([rms_norm(p, w[f"fc_norm.{i}.weight"], eps) for i, p in enumerate(parts)], dim=-1)
         hidden = feature if fused else feature @ w["fc.weight"].T
         emb = self.embedding[tokens]
         emb_norm, hid_norm = w["midlayer.input_layernorm.weight"], w["midlayer.hidden_norm.weight"]
@@ -197,17 +203,19 @@ def target(layers: tuple[int, ...] | None = None) -> TargetModel:
     return TargetModel(hf(), feature_layers=layers)
 
 
-def make_head(layers=None, reduced=True, rope="default", norm_before_residual=False) -> Eagle3DraftModel:
-    """A head with every weight random (norm weights too, so that a swapped norm shows)."""
+def make_head(layers=None, reduced=True, rope="default", **variants) -> Eagle3DraftModel:
+    """A head with every weight random (norm weights too, so that a swapped norm shows); variants:
+    norm_before_residual, norm_before_fc, fc_norm."""
     head = Eagle3DraftModel.from_target(target(layers), draft_vocab=REDUCED_VOCAB if reduced else None)
-    cfg = dataclasses.replace(head.config, rope_parameters=dict(ROPES[rope]),
-                              norm_before_residual=norm_before_residual)
+    cfg = dataclasses.replace(head.config, rope_parameters=dict(ROPES[rope]), **variants)
     g = torch.Generator().manual_seed(7)
     state = {}
-    for key, value in head.state_dict().items():
-        if key in ("d2t", "t2d", "embed_tokens.weight"):
+    for key, value in Eagle3DraftModel(cfg, head.d2t, head.t2d).state_dict().items():
+        if key in ("d2t", "t2d"):
             state[key] = value
-        elif key.endswith("norm.weight"):
+        elif key == "embed_tokens.weight":
+            state[key] = head.embed_tokens.weight
+        elif "norm" in key:
             state[key] = 1.0 + 0.3 * torch.randn(value.shape, generator=g)
         else:
             state[key] = 0.15 * torch.randn(value.shape, generator=g)
@@ -331,6 +339,24 @@ def test_norm_before_residual_heads_match_the_vllm_forward(tmp_path):
     assert compare(plain, folder) > 1e-2
     for layout in ("sglang", "eagle3"):  # their layers take the residual before hidden_norm
         with pytest.raises(ValueError, match="norm_before_residual.*--to vllm"):
+            export_head(head, tmp_path / layout, layout, target_config=hf().config)
+
+
+@pytest.mark.parametrize("variant", ["norm_before_fc", "fc_norm"])
+@pytest.mark.filterwarnings("ignore:vLLM 0.11.0")
+def test_feature_norm_heads_match_the_speculators_forward(tmp_path, variant):
+    """The speculators variants that normalise the target features before fc: one norm over the
+    concatenation (norm_before_fc, weight input_norm) or one per layer (fc_norm, weights fc_norm.0-2)."""
+    head = make_head(CUSTOM_LAYERS, **{variant: True})
+    with pytest.warns(UserWarning, match="vLLM 0.11.x has no input_norm / fc_norm"):
+        folder = export_head(head, tmp_path / "vllm", "vllm", target_config=hf().config)
+    assert json.loads((folder / "config.json").read_text())[variant] is True
+    assert compare(head, folder) < TOLERANCE
+    assert compare(head, folder, skip_feature_norms=True) > 1e-2  # negative control: the norms ignored
+    loaded = Eagle3DraftModel.from_pretrained(folder, target=target(CUSTOM_LAYERS))
+    assert loaded.config == head.config and compare(loaded, folder) < TOLERANCE
+    for layout in ("sglang", "eagle3"):
+        with pytest.raises(ValueError, match=f"normalises the target features before fc .*{variant}.*--to vllm"):
             export_head(head, tmp_path / layout, layout, target_config=hf().config)
 
 

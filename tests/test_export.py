@@ -326,9 +326,8 @@ def test_the_heads_rope_is_its_own_not_the_targets(trained, exported, tmp_path, 
     ("change", "message"),
     [({"norm_before_residual": None}, "does not say norm_before_residual"),
      ({"speculators_model_type": "mlp"}, "speculators 'mlp' model"),
-     ({"norm_before_fc": True}, "unsupported EAGLE-3 variant norm_before_fc"),
-     ({"fc_norm": True}, "unsupported EAGLE-3 variant fc_norm"),
-     ({"norm_output": True}, "unsupported EAGLE-3 variant norm_output"),
+     ({"norm_before_fc": True, "fc_norm": True}, "norm_before_fc and fc_norm are exclusive"),
+     ({"norm_output": True}, "sets norm_output .* fed back as the next step's feature"),
      ({"transformer_layer_config": {"num_hidden_layers": 2}}, "num_hidden_layers=2"),
      ({"eagle_aux_hidden_state_layer_ids": [4, 1, 3]}, "not ascending: engines capture the layers in layer order"),
      ({"eagle_aux_hidden_state_layer_ids": [1, 3, 3]}, "repeat a layer: engines capture each layer once"),
@@ -350,17 +349,27 @@ def test_unsupported_speculators_configs_are_refused(exported, change, message):
 
 @pytest.mark.parametrize(
     ("change", "message"),
-    [({"fc_norm": True}, "fc_norm"), ({"norm_before_fc": True}, "norm_before_fc"),
-     ({"norm_output": True}, "norm_output=True"), ({"norm_output": False}, "norm_output=False"),
+    [({"norm_output": False}, "norm_output=false .*without the final norm"),
      ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [5, 0, 2]}}, "not ascending")],
 )
 def test_unsupported_llama_style_configs_are_refused(exported, change, message):
-    """SpecForge / SGLang style configs: the Eagle 3.1 variants and unusable layer ids are refused."""
+    """SpecForge / SGLang style configs: a head without the final norm and unusable layer ids are refused."""
     config = json.loads((exported["sglang"] / "config.json").read_text())
     del config["eagle_tree"]
     config.update(change)
     with pytest.raises(ValueError, match=message):
         read_config(config, target_num_layers=8)
+
+
+def test_specforge_eagle31_config_reads_its_variants(exported):
+    """SpecForge's Eagle 3.1 config: fc_norm (per-layer feature norms, supported) and norm_output: true
+    (SpecForge's name for the final norm before lm_head, which every eagle-tree head applies)."""
+    config = json.loads((exported["sglang"] / "config.json").read_text())
+    del config["eagle_tree"]
+    config.update({"fc_norm": True, "norm_output": True})
+    cfg = read_config(config, target_num_layers=8)
+    assert cfg.fc_norm and not cfg.norm_before_fc and not cfg.norm_before_residual
+    assert "fc_norm.2.weight" in expected_shapes(cfg) and "input_norm.weight" not in expected_shapes(cfg)
 
 
 def test_export_validates_before_writing_and_replaces_atomically(trained, tmp_path):

@@ -32,7 +32,7 @@ def older_engine_warnings(cfg: Eagle3Config, layout: str, num_layers: int | None
 
     vLLM 0.11.0 captures the layers (2, L // 2, L - 3) whatever the config names, and uses the
     target's lm_head in place of the draft's when the draft vocabulary is the whole target vocabulary;
-    both are read correctly from vLLM 0.11.1."""
+    both are read correctly from vLLM 0.11.1. The 0.11.x releases have no feature norms before fc."""
     if layout != "vllm":
         return []
     out = []
@@ -40,6 +40,10 @@ def older_engine_warnings(cfg: Eagle3Config, layout: str, num_layers: int | None
     if n is None or n < 0 or tuple(cfg.feature_layers) != engine_default_layers(n):
         out.append(f"vLLM 0.11.0 ignores eagle_aux_hidden_state_layer_ids and captures the layers (2, L//2, L-3); "
                    f"this head reads {list(cfg.feature_layers)}: serve it with vLLM >= 0.11.1")
+    if cfg.norm_before_fc or cfg.fc_norm:
+        out.append("vLLM 0.11.x has no input_norm / fc_norm in its EAGLE-3 draft model and cannot load this head "
+                   "(norm_before_fc / fc_norm, the speculators >= 0.5 / 0.7 variants): serve it with a vLLM release "
+                   "that reads them")
     if cfg.draft_vocab_size == cfg.vocab_size:
         out.append("vLLM 0.11.0 replaces the lm_head of a head whose draft vocabulary is the whole target "
                    "vocabulary by the target's lm_head: serve it with vLLM >= 0.11.1")

@@ -106,6 +106,9 @@ class Eagle3DraftModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        th, eps = cfg.target_hidden_size, cfg.rms_norm_eps
+        self.input_norm = LlamaRMSNorm(3 * th, eps=eps) if cfg.norm_before_fc else None
+        self.fc_norm = nn.ModuleList(LlamaRMSNorm(th, eps=eps) for _ in range(3)) if cfg.fc_norm else None
         self.midlayer = Eagle3DecoderLayer(cfg)
         self.norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -180,7 +183,13 @@ class Eagle3DraftModel(nn.Module):
 
     # ----------------------------------------------------------------- forward
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
-        """Target features (B, T, 3H_target) -> fused feature (B, T, H)."""
+        """Target features (B, T, 3H_target) -> fused feature (B, T, H) (normalised first for the
+        ``norm_before_fc`` and ``fc_norm`` variants)."""
+        if self.input_norm is not None:
+            features = self.input_norm(features)
+        if self.fc_norm is not None:
+            parts = zip(self.fc_norm, features.chunk(3, -1), strict=True)
+            features = torch.cat([norm(part) for norm, part in parts], -1)
         return self.fc(features)
 
     def project(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor):

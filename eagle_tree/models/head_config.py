@@ -62,10 +62,15 @@ class Eagle3Config:
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": DEFAULT_ROPE_THETA})
     hidden_act: str = "silu"
     norm_before_residual: bool = False  # residual stream taken after hidden_norm (a speculators / vLLM variant)
+    norm_before_fc: bool = False  # one RMSNorm over the concatenated features before fc (speculators >= 0.5)
+    fc_norm: bool = False  # an RMSNorm on each of the three features before fc (speculators >= 0.7, SpecForge)
 
     def __post_init__(self) -> None:
         self.feature_layers = check_feature_layers(self.feature_layers, self.target_num_layers)
         self.norm_before_residual = bool(self.norm_before_residual)
+        self.norm_before_fc, self.fc_norm = bool(self.norm_before_fc), bool(self.fc_norm)
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("norm_before_fc and fc_norm are exclusive (both would normalise the features twice)")
         if not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(
                 f"draft_vocab_size must lie in [1, vocab_size={self.vocab_size}], got {self.draft_vocab_size}"

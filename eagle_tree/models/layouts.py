@@ -64,14 +64,6 @@ LAYOUTS = ("eagle3", "sglang", "vllm")
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 SPECULATORS_VERSION = "0.3.0"  # the Eagle3SpeculatorConfig schema these configs follow
 UNSUPPORTED_FLAGS = ("attention_bias", "mlp_bias", "bias", "tie_word_embeddings")
-# EAGLE-3 variants (the "Eagle 3.1" options of speculators >= 0.7 and SpecForge) that eagle-tree's head
-# does not compute: reading such a head as a plain EAGLE-3 head would draft something else.
-UNSUPPORTED_VARIANTS = {
-    "norm_before_fc": "one RMSNorm (weight input_norm) over the concatenated target features before fc",
-    "fc_norm": "an RMSNorm on each of the three target features (weights fc_norm.0-2) before fc",
-    "norm_output": "speculators: the final-normalised output is fed back as the next step's feature; "
-                   "SpecForge: whether the final norm precedes lm_head (the file does not say which reading)",
-}
 
 
 def engine_default_layers(num_layers: int) -> tuple[int, ...]:
@@ -115,8 +107,10 @@ def _read_llama_style(d: dict, target_num_layers: int | None) -> Eagle3Config:
         layers = [int(i) + 1 for i in aux]
     else:  # a flattened vLLM config: ids are the layers whose input is captured
         layers = d.get("eagle_aux_hidden_state_layer_ids")
-    return _config(d, d, layers, d.get("target_num_layers", ours.get("target_num_layers")), target_num_layers,
-                   bool(d.get("norm_before_residual", False)))
+    if d.get("norm_output", True) is not True:  # SpecForge: whether the final norm precedes lm_head
+        raise ValueError("config.json: norm_output=false (SpecForge: lm_head reads the output without the final "
+                         "norm), a variant eagle-tree's head does not compute")
+    return _config(d, d, layers, d.get("target_num_layers", ours.get("target_num_layers")), target_num_layers, d)
 
 
 def _read_speculators(d: dict, target_num_layers: int | None) -> Eagle3Config:
@@ -131,12 +125,15 @@ def _read_speculators(d: dict, target_num_layers: int | None) -> Eagle3Config:
             "the speculators config does not say norm_before_residual: vLLM then assumes true and "
             "speculators false, so the head's residual stream is ambiguous; add the key"
         )
+    if d.get("norm_output"):
+        raise ValueError("the speculators config sets norm_output (the final-normalised output is fed back as the "
+                         "next step's feature), a variant eagle-tree's drafting does not compute")
     _refuse_variants(d, "the speculators config")
     _refuse_variants(layer, "transformer_layer_config")
     ours = d.get("eagle_tree") or {}
     top = {**d, "hidden_size": layer.get("hidden_size")}
     return _config(layer, top, d.get("eagle_aux_hidden_state_layer_ids"), ours.get("target_num_layers"),
-                   target_num_layers, bool(d["norm_before_residual"]))
+                   target_num_layers, d)
 
 
 def _refuse_variants(d: dict, where: str) -> None:
@@ -147,15 +144,11 @@ def _refuse_variants(d: dict, where: str) -> None:
     if flags:
         raise ValueError(f"{where}: unsupported EAGLE-3 variant, {flags} set (eagle-tree heads have no biases "
                          "and their own lm_head)")
-    for key, what in UNSUPPORTED_VARIANTS.items():
-        if d.get(key) or (key == "norm_output" and key in d and "speculators_model_type" not in d):
-            raise ValueError(f"{where}: unsupported EAGLE-3 variant {key}={d[key]} ({what}); eagle-tree's head "
-                             "does not compute it, so it would draft differently from the trainer and the engines")
 
 
-def _config(layer: dict, top: dict, layers, n_target, target_num_layers: int | None,
-            norm_before_residual: bool) -> Eagle3Config:
-    """layer: the decoder layer's Llama fields; top: draft_vocab_size, target_hidden_size."""
+def _config(layer: dict, top: dict, layers, n_target, target_num_layers: int | None, variants: dict) -> Eagle3Config:
+    """layer: the decoder layer's Llama fields; top: draft_vocab_size, target_hidden_size; variants: the
+    dict holding norm_before_residual, norm_before_fc and fc_norm."""
     n_target = None if n_target in (None, -1) else int(n_target)
     if layers is None:
         if n_target is None and target_num_layers is None:
@@ -186,7 +179,9 @@ def _config(layer: dict, top: dict, layers, n_target, target_num_layers: int | N
         max_position_embeddings=layer.get("max_position_embeddings", 2048),
         rope_parameters=_rope(layer),
         hidden_act=layer.get("hidden_act", "silu"),
-        norm_before_residual=norm_before_residual,
+        norm_before_residual=bool(variants.get("norm_before_residual", False)),
+        norm_before_fc=bool(variants.get("norm_before_fc", False)),
+        fc_norm=bool(variants.get("fc_norm", False)),
     )
 
 
@@ -325,6 +320,7 @@ def layout_config(
             "transformer_layer_config": _llama_fields(cfg),
             **common,
             "norm_before_residual": cfg.norm_before_residual,
+            **{k: True for k in ("norm_before_fc", "fc_norm") if getattr(cfg, k)},
             "eagle_aux_hidden_state_layer_ids": list(cfg.feature_layers),
             "speculators_config": {
                 "algorithm": "eagle3",
@@ -334,10 +330,14 @@ def layout_config(
             },
             "eagle_tree": ours,
         }
+    engine = "SGLang" if layout == "sglang" else "official EAGLE"
     if cfg.norm_before_residual:
         raise ValueError(f"this head takes its residual after hidden_norm (norm_before_residual), which the "
-                         f"{'SGLang' if layout == 'sglang' else 'official EAGLE'} layer does not do: export with "
-                         "--to vllm")
+                         f"{engine} layer does not do: export with --to vllm")
+    if cfg.norm_before_fc or cfg.fc_norm:
+        raise ValueError(f"this head normalises the target features before fc "
+                         f"({'norm_before_fc' if cfg.norm_before_fc else 'fc_norm'}), which the {engine} code "
+                         "does not: export with --to vllm")
     default = _uses_default_layers(cfg, num_layers)
     if layout == "eagle3":
         if not default:
@@ -389,8 +389,13 @@ def expected_shapes(cfg: Eagle3Config, layout: str = "eagle3") -> dict[str, tupl
         "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i),
     }
     prefix = "layers.0." if layout == "vllm" else "midlayer."
+    th = cfg.target_hidden_size
+    feature_norms = {"input_norm.weight": (3 * th,)} if cfg.norm_before_fc else {}
+    if cfg.fc_norm:
+        feature_norms = {f"fc_norm.{i}.weight": (th,) for i in range(3)}
     return {
-        "fc.weight": (h, 3 * cfg.target_hidden_size),
+        **feature_norms,
+        "fc.weight": (h, 3 * th),
         **{prefix + k: v for k, v in layer.items()},
         "norm.weight": (h,),
         "lm_head.weight": (cfg.draft_vocab_size, h),
