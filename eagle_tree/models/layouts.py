@@ -14,8 +14,9 @@ Layouts (``docs/INTEROP.md`` says which engine versions they were written for an
   non-default feature layers also get ``eagle_config.eagle_aux_hidden_state_layer_ids``.
 * ``vllm``: the vLLM speculators layout (``Eagle3SpeculatorConfig``): ``speculators_model_type``,
   the nested ``transformer_layer_config``, ``speculators_config`` (algorithm, proposal methods,
-  verifier) and ``eagle_aux_hidden_state_layer_ids``; weights keyed ``layers.0.*`` instead of
-  ``midlayer.*``.
+  verifier), ``eagle_aux_hidden_state_layer_ids``, ``norm_before_residual`` and, when set,
+  ``norm_before_fc`` / ``fc_norm``; weights keyed ``layers.0.*`` instead of ``midlayer.*``. The
+  only layout for heads with those variants.
 
 Feature layers are where an export most often goes silently wrong ("zero acceptance"). eagle-tree's
 ``feature_layers`` are the target layers whose *input* hidden states are fused, strictly ascending,
