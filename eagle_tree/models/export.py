@@ -7,6 +7,7 @@ The layouts themselves (config and key names, validation) are :mod:`eagle_tree.m
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from dataclasses import asdict
 from pathlib import Path
@@ -21,10 +22,10 @@ from eagle_tree.models.head_config import (
     check_head_matches_target,
     text_config,
 )
-from eagle_tree.models.layouts import engine_default_layers, layout_config, layout_state, validate_layout
+from eagle_tree.models.layouts import detect_layout, engine_default_layers, layout_config, layout_state, validate_layout
 from eagle_tree.utils.atomic import atomic_dir
 
-__all__ = ["export_head", "older_engine_warnings"]
+__all__ = ["export_head", "log_head_artifact", "older_engine_warnings"]
 
 
 def older_engine_warnings(cfg: Eagle3Config, layout: str, num_layers: int | None = None) -> list[str]:
@@ -93,3 +94,26 @@ def _write_atomically(out: Path, config: dict, state: dict) -> Path:
         save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+def log_head_artifact(logger, head_dir: str | Path, name: str, config, acceptance_length: float | None) -> dict:
+    """Log a saved head folder as a W&B ``model`` artifact (a no-op when the logger is disabled;
+    offline runs keep it until ``wandb sync``). Metadata: ``config`` (the resolved run config),
+    ``acceptance_length`` (the latest measured one, or None), ``layout`` and ``head_config`` (the
+    head's config.json). Returns the metadata."""
+    from eagle_tree.utils.config import config_to_dict
+
+    head_dir = Path(head_dir)
+    cfg_file = head_dir / CONFIG_NAME
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"log_head_artifact: {head_dir} holds no {CONFIG_NAME}; is it a saved head?")
+    head_config = json.loads(cfg_file.read_text())
+    metadata = {
+        "config": config_to_dict(config) if config is not None else {},
+        "acceptance_length": None if acceptance_length is None else float(acceptance_length),
+        "layout": detect_layout(head_config),
+        "head_config": head_config,
+    }
+    artifact_name = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.") or "draft-head"  # W&B's name rule
+    logger.log_artifact(head_dir, artifact_name, "model", metadata)
+    return metadata

@@ -742,7 +742,7 @@ class _Run:
 
     def _log_head(self, head_dir: Path, name: str) -> None:
         """A W&B model artifact for a saved head, with the run config and the latest measured acceptance."""
-        from eagle_tree.utils.tracking import log_head_artifact
+        from eagle_tree.models.export import log_head_artifact
 
         latest = self.evals[-1]["acceptance_length_tree"] if self.evals else None
         log_head_artifact(self.logger, head_dir, name, self.cfg, latest)

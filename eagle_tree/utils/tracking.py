@@ -12,11 +12,9 @@ Offline runs can be read back with :mod:`eagle_tree.utils.wandb_records`.
 
 from __future__ import annotations
 
-import json
 import logging
 import netrc
 import os
-import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-__all__ = ["WandbConfig", "RunLogger", "resolve_mode", "has_api_key", "log_head_artifact"]
+__all__ = ["WandbConfig", "RunLogger", "resolve_mode", "has_api_key"]
 
 log = logging.getLogger(__name__)
 
@@ -229,28 +227,3 @@ class RunLogger:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.finish(exit_code=1 if exc_type is not None else None)
-
-
-def log_head_artifact(logger, head_dir: str | Path, name: str, config, acceptance_length: float | None) -> dict:
-    """Log a saved head folder as a W&B ``model`` artifact (a no-op when the logger is disabled;
-    offline runs keep it until ``wandb sync``). Metadata: ``config`` (the resolved run config),
-    ``acceptance_length`` (the latest measured one, or None), ``layout`` and ``head_config`` (the
-    head's config.json). Returns the metadata."""
-    from eagle_tree.models.head_config import CONFIG_NAME
-    from eagle_tree.models.layouts import detect_layout
-    from eagle_tree.utils.config import config_to_dict
-
-    head_dir = Path(head_dir)
-    cfg_file = head_dir / CONFIG_NAME
-    if not cfg_file.is_file():
-        raise FileNotFoundError(f"log_head_artifact: {head_dir} holds no {CONFIG_NAME}; is it a saved head?")
-    head_config = json.loads(cfg_file.read_text())
-    metadata = {
-        "config": config_to_dict(config) if config is not None else {},
-        "acceptance_length": None if acceptance_length is None else float(acceptance_length),
-        "layout": detect_layout(head_config),
-        "head_config": head_config,
-    }
-    artifact_name = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.") or "draft-head"  # W&B's name rule
-    logger.log_artifact(head_dir, artifact_name, "model", metadata)
-    return metadata
