@@ -7,14 +7,18 @@ from typing import Literal
 import pytest
 import yaml
 
-from eagle_tree.utils.config import ConfigError, config_to_dict, load_config, parse_cli, save_config
+from eagle_tree.utils.config import ConfigError, at_least, config_to_dict, load_config, parse_cli, save_config
 
 
 @dataclass
 class Optim:
-    lr: float = field(default=1e-3, metadata={"help": "peak learning rate"})
+    lr: float = 1e-3
+    """peak learning rate"""
     steps: int = 100
     betas: tuple[float, float] = (0.9, 0.95)
+
+    def __post_init__(self):
+        at_least(self, steps=1)
 
 
 @dataclass
@@ -30,6 +34,7 @@ class Experiment:
 
     model: str
     train: Optim = field(default_factory=Optim)
+    tuned: Optim = field(default_factory=lambda: Optim(lr=0.5))
     wandb: Logging = field(default_factory=Logging)
     layers: list[int] = field(default_factory=lambda: [2, 4])
     name: str | None = None
@@ -162,8 +167,16 @@ def test_help_lists_every_field(capsys):
     assert out.startswith("usage: eagle-tree train [--config FILE] [key=value ...]")
     assert "A toy experiment config." in out
     assert "model: str = (required)" in out
-    assert "train.lr: float = 0.001" in out and "peak learning rate" in out  # metadata help
+    assert "train.lr: float = 0.001" in out and "peak learning rate" in out
+    assert "tuned.lr: float = 0.5" in out  # the factory's value, not the class default
     assert "wandb.mode: auto|online|offline|disabled = 'auto'" in out
     assert "auto picks offline without an API key" in out  # attribute docstring
     for name in ("train.steps", "train.betas", "wandb.tags", "layers", "name", "out", "greedy", "extra"):
         assert f"  {name}: " in out
+
+
+@pytest.mark.parametrize("override", ["train.steps=0", "train.steps=-5", "tuned.steps=0"])
+def test_out_of_range_values_name_their_key(override):
+    key = override.partition("=")[0]
+    with pytest.raises(ConfigError, match=rf"config key '{key}' must be >= 1, got -?\d"):
+        load_config(Experiment, None, ["model=m", override])

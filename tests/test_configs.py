@@ -6,7 +6,7 @@ import pytest
 
 from eagle_tree.commands.bench import BenchConfig
 from eagle_tree.commands.decode import DecodeConfig
-from eagle_tree.training.loop import TrainConfig
+from eagle_tree.training.config import TrainConfig
 from eagle_tree.utils.config import ConfigError, load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))

@@ -16,7 +16,8 @@ from eagle_tree.training.feature_cache import (
     example_targets,
     expand_logits,
 )
-from eagle_tree.training.loop import TTTLoss, batch_targets
+from eagle_tree.training.loop import TTTLoss
+from eagle_tree.training.stream import batch_targets
 from eagle_tree.training.ttt import ttt_forward
 
 VOCAB = 128

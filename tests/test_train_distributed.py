@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import load_file
 
 from eagle_tree.reference.toy import build_toy, default_cache_dir
-from eagle_tree.training.loop import TrainConfig, train
+from eagle_tree.training.config import TrainConfig
+from eagle_tree.training.loop import train
 from eagle_tree.utils.config import load_config
 from eagle_tree.utils.wandb_records import read_run
 

@@ -14,7 +14,9 @@ import torch
 from safetensors.torch import load_file
 
 from eagle_tree.reference.toy import default_cache_dir
-from eagle_tree.training.loop import TrainConfig, latest_checkpoint, train
+from eagle_tree.training.checkpoint import latest_checkpoint
+from eagle_tree.training.config import TrainConfig
+from eagle_tree.training.loop import train
 from eagle_tree.utils.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,17 +15,13 @@ import torch
 import eagle_tree as et
 from eagle_tree.commands.train import main
 from eagle_tree.reference.toy import default_cache_dir
+from eagle_tree.training.checkpoint import latest_checkpoint
+from eagle_tree.training.config import TrainConfig
 from eagle_tree.training.data import batches
-from eagle_tree.training.loop import (
-    DataStream,
-    ScheduleSection,
-    TrainConfig,
-    evaluate_acceptance,
-    latest_checkpoint,
-    lr_factor,
-    resolve_mixed_precision,
-    train,
-)
+from eagle_tree.training.evaluate import evaluate_acceptance
+from eagle_tree.training.loop import resolve_mixed_precision, train
+from eagle_tree.training.optim import lr_factor
+from eagle_tree.training.stream import DataStream
 from eagle_tree.utils.config import load_config
 from eagle_tree.utils.wandb_records import read_run
 
@@ -131,7 +127,7 @@ def test_trained_head_accepts_clearly_more_than_an_untrained_one(trained):
         assert last[f"acceptance_length_{mode}"] >= first[f"acceptance_length_{mode}"] + MARGIN, (mode, summary)
 
     cfg = load_config(TrainConfig, out / "config.yaml")
-    from eagle_tree.training.loop import load_target, read_prompts
+    from eagle_tree.training.resolve import load_target, read_prompts
 
     target, tok = load_target(cfg)
     prompts = [tok(p, return_tensors="pt")["input_ids"][0] for p in read_prompts(cfg)]
@@ -203,8 +199,7 @@ def test_mixed_precision_rules():
 
 @pytest.mark.parametrize("kind", ["cosine", "linear", "constant"])
 def test_schedule_warms_up_then_decays(kind):
-    s = ScheduleSection(kind=kind, warmup_steps=10, min_lr_ratio=0.1)
-    f = [lr_factor(n, s, 100) for n in range(101)]
+    f = [lr_factor(n, 10, 100, kind, 0.1) for n in range(101)]
     assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
     assert all(a <= b for a, b in zip(f[:10], f[1:10], strict=False))
     if kind == "constant":
@@ -274,7 +269,7 @@ def test_stdlib_corpus_source_is_chunked_by_whole_lines(tmp_path, monkeypatch):
     """data.path 'stdlib:MANIFEST#SPLIT' (the reference config's data): the split's files, verified against
     the manifest, cut at line ends into chunks of about 3 * max_length characters that rebuild the files."""
     from eagle_tree.reference import corpus
-    from eagle_tree.training.loop import resolve_data
+    from eagle_tree.training.resolve import resolve_data
 
     src = tmp_path / "lib"
     texts = {f"m{i}.py": "".join(f"x_{i}_{j} = {j}  # line {j}\n" for j in range(40 + 7 * i)) for i in range(6)}

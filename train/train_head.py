@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import sys
 
-from eagle_tree.training.loop import TrainConfig, train
+from eagle_tree.training.config import TrainConfig
+from eagle_tree.training.loop import train
 from eagle_tree.utils.config import parse_cli
 
 

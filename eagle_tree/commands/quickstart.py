@@ -87,7 +87,8 @@ def _is_old_quickstart(path: Path) -> bool:
 
 def train_head(cfg: QuickstartConfig, out: Path) -> Path:
     """Train the head with the project's trainer; return the folder of the final head."""
-    from eagle_tree.training.loop import TrainConfig, train
+    from eagle_tree.training.config import TrainConfig
+    from eagle_tree.training.loop import train
     from eagle_tree.utils.config import load_config
 
     overrides = [

@@ -7,14 +7,25 @@
 
 from __future__ import annotations
 
+import sys
+
 from eagle_tree.utils.config import parse_cli
 
 
 def main(argv: list[str]) -> int:
-    from eagle_tree.training.loop import TrainConfig, train
+    from eagle_tree.training.checkpoint import CheckpointWriteError
+    from eagle_tree.training.config import TrainConfig
+    from eagle_tree.training.data import DataError
+    from eagle_tree.training.loop import train
+    from eagle_tree.training.rundir import RunFolderError
+    from eagle_tree.utils.finite import NonFiniteError
 
     cfg = parse_cli(TrainConfig, argv, prog="eagle-tree train")
-    result = train(cfg)
+    try:
+        result = train(cfg)
+    except (RunFolderError, NonFiniteError, CheckpointWriteError, DataError, FileNotFoundError) as exc:
+        print(f"eagle-tree train: error: {exc}", file=sys.stderr)
+        return 1
     if result.world_size == 1 or _is_main():
         print(f"[eagle-tree train] {result.steps} steps, {result.tokens} tokens in {result.wall_s:.1f} s; "
               f"head in {result.final_dir}")

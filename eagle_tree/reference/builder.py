@@ -15,8 +15,6 @@ Losses are mean cross-entropy per predicted token in nats. Everything runs on CP
 
 from __future__ import annotations
 
-import math
-import os
 import random
 import time
 from collections.abc import Sequence
@@ -24,6 +22,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
+from eagle_tree.training.optim import adamw, lr_factor
+from eagle_tree.utils.atomic import atomic_file
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 
@@ -177,11 +178,7 @@ class TrainResult:
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warm-up to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at ``cfg.steps``."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
-    floor = cfg.lr * cfg.min_lr_ratio
-    return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * progress))
+    return cfg.lr * lr_factor(step, cfg.warmup_steps, cfg.steps, "cosine", cfg.min_lr_ratio)
 
 
 def _batch_indices(step: int, n_rows: int, cfg: TrainConfig) -> list[int]:
@@ -192,13 +189,6 @@ def _batch_indices(step: int, n_rows: int, cfg: TrainConfig) -> list[int]:
         perm = torch.randperm(n_rows, generator=torch.Generator().manual_seed(cfg.seed * 100_003 + epoch))
         out.append(int(perm[offset]))
     return out
-
-
-def _optimizer(model, cfg: TrainConfig) -> torch.optim.Optimizer:
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
 @torch.no_grad()
@@ -224,10 +214,8 @@ def evaluate_loss(model, rows: Sequence[torch.Tensor], batch_size: int = 8) -> f
 
 def _save_checkpoint(path: Path, state: dict) -> None:
     """Write ``state`` next to ``path`` and move it into place, so a crash never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        torch.save(state, tmp)
 
 
 def train_lm(
@@ -249,7 +237,7 @@ def train_lm(
     from tqdm import tqdm
 
     checkpoint = Path(checkpoint) if checkpoint is not None else None
-    opt = _optimizer(model, cfg)
+    opt = adamw(model, cfg.lr, cfg.weight_decay)
     step, tokens, wall, evals = 0, 0, 0.0, []
     if checkpoint is not None and checkpoint.exists():
         state = torch.load(checkpoint, weights_only=False)
@@ -307,7 +295,7 @@ def measure_step_time(model, rows: Sequence[torch.Tensor], cfg: TrainConfig, n: 
     import copy
 
     probe = copy.deepcopy(model)
-    opt = _optimizer(probe, cfg)
+    opt = adamw(probe, cfg.lr, cfg.weight_decay)
     data = torch.stack(list(rows[: cfg.batch_size * (n + 1)]))
     times = []
     for i in range(n + 1):

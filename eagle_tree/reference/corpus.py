@@ -24,6 +24,8 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle_tree.utils.atomic import write_text
+
 SPLITS = ("train", "tuning", "test")
 
 # directory names excluded anywhere in a relative path
@@ -155,3 +157,29 @@ def load_split(
             raise CorpusMismatchError(msg + ". Pass strict=False to keep only the matching files.")
         warnings.warn(msg + "; using the matching files only.", stacklevel=2)
     return out
+
+
+def split_jsonl(spec: str, out_dir: Path, chunk_chars: int = 2000) -> Path:
+    """'stdlib:MANIFEST#SPLIT' -> a jsonl of {"text"} chunks (whole lines, about ``chunk_chars`` each) of
+    that split of the standard-library corpus (this module, files checked against the manifest);
+    written once under ``out_dir``. Chunks of about 3 * max_length characters keep most of the text
+    within max_length tokens (a 1024-entry BPE averages about 3 characters per token on Python)."""
+    manifest_path, _, split = spec.removeprefix("stdlib:").partition("#")
+    split = split or "train"
+    manifest = Manifest.load(manifest_path)
+    out = out_dir / f"stdlib-{split}-{chunk_chars}.jsonl"
+    if out.is_file():
+        return out
+    rows = []
+    for _, text in load_split(manifest, split):
+        chunk: list[str] = []
+        size = 0
+        for line in text.splitlines(keepends=True):
+            chunk.append(line)
+            size += len(line)
+            if size >= chunk_chars:
+                rows.append("".join(chunk))
+                chunk, size = [], 0
+        if "".join(chunk).strip():
+            rows.append("".join(chunk))
+    return write_text(out, "".join(json.dumps({"text": r}) + "\n" for r in rows))

@@ -86,13 +86,12 @@ def read_rows(data: str, limit: int | None = None, chunk_chars: int = 768, every
     """Input rows as dicts (``datasets`` does the reading; 'stdlib:' specs are chunked first)."""
     import tempfile
 
-    from eagle_tree.training.data import _load_raw
+    from eagle_tree.reference.corpus import split_jsonl
+    from eagle_tree.training.data import load_raw
 
     if data.startswith("stdlib:"):
-        from eagle_tree.training.loop import _stdlib_jsonl
-
-        data = str(_stdlib_jsonl(data, Path(tempfile.gettempdir()) / "eagle_tree_regenerate", chunk_chars))
-    raw = _load_raw(data, "train", "document", None)
+        data = str(split_jsonl(data, Path(tempfile.gettempdir()) / "eagle_tree_regenerate", chunk_chars))
+    raw = load_raw(data, "train", "document", None)
     if every > 1:
         raw = raw.select(range(0, len(raw), every))
     if limit is not None:

@@ -28,15 +28,15 @@ import hashlib
 import json
 import os
 import random
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-TOY_VERSION = 1
+from eagle_tree.utils.atomic import atomic_dir
+
+TOY_VERSION = 2  # 2: the shared AdamW setup (no decay on norms) and schedule
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 KEYWORDS = ("count", "down", "skip", "repeat")
 LETTERS = tuple("abcdefghijklmnop")
@@ -146,14 +146,6 @@ def toy_prompts(cfg: ToyConfig, documents: list[str], seed: int) -> list[str]:
 # ----------------------------------------------------------------------------- target
 
 
-def _lr(step: int, cfg: ToyConfig) -> float:
-    warmup = max(1, cfg.train_steps // 20)
-    if step < warmup:
-        return cfg.lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, cfg.train_steps - warmup)
-    return cfg.lr * (0.05 + 0.95 * 0.5 * (1.0 + torch.cos(torch.tensor(progress * torch.pi)).item()))
-
-
 def train_toy_target(cfg: ToyConfig, tokenizer, documents: list[str]):
     """A fresh tiny Llama trained on ``documents`` (next-token cross-entropy, AdamW); returns (model, losses)."""
     from eagle_tree.reference.tiny import tiny_causal_lm
@@ -171,12 +163,15 @@ def train_toy_target(cfg: ToyConfig, tokenizer, documents: list[str]):
         data[i, : len(r)] = torch.tensor(r)
     labels = data.masked_fill(data == tokenizer.pad_token_id, -100)
     gen = torch.Generator().manual_seed(cfg.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    from eagle_tree.training.optim import adamw, lr_factor
+
+    opt = adamw(model, cfg.lr, weight_decay=0.01)
+    warmup = max(1, cfg.train_steps // 20)
     model.train()
     losses = []
     for step in range(cfg.train_steps):
         for group in opt.param_groups:
-            group["lr"] = _lr(step, cfg)
+            group["lr"] = cfg.lr * lr_factor(step, warmup, cfg.train_steps, "cosine", 0.05)
         idx = torch.randint(len(rows), (cfg.batch_size,), generator=gen)
         loss = model(input_ids=data[idx], labels=labels[idx]).loss
         loss.backward()
@@ -254,8 +249,7 @@ def build_toy(cfg: ToyConfig | None = None, cache_dir: str | os.PathLike | None 
         "eval_greedy_agreement": round(greedy_agreement(model, tokenizer, eval_docs), 4),
         "build_s": round(time.perf_counter() - t0, 1),
     }
-    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=cache))
-    try:
+    with atomic_dir(root, keep_existing=True) as tmp:  # another process may build it at the same time
         model.save_pretrained(tmp / "target")
         tokenizer.save_pretrained(tmp / "target")
         _write_jsonl(tmp / "data" / "train.jsonl", [{"text": d} for d in train_docs])
@@ -263,13 +257,6 @@ def build_toy(cfg: ToyConfig | None = None, cache_dir: str | os.PathLike | None 
         prompts = toy_prompts(cfg, eval_docs, seed=cfg.seed + 7)
         _write_jsonl(tmp / "prompts.jsonl", [{"prompt": p} for p in prompts])
         (tmp / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-        try:
-            tmp.rename(root)
-        except OSError:  # another process built it first: keep theirs
-            if not (root / "report.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     if verbose:
         print(f"[toy] built in {report['build_s']} s: train loss {report['final_train_loss']}, "
               f"held-out greedy agreement {report['eval_greedy_agreement']}", flush=True)

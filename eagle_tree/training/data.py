@@ -39,22 +39,28 @@ Length rule: a sample longer than ``max_length`` tokens is cut to its first ``ma
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 import re
+import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
+from eagle_tree.utils.config import ConfigValueError, at_least
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "DataConfig",
+    "DataError",
     "load_examples",
+    "load_raw",
     "normalize_messages",
     "assistant_spans",
     "encode_conversation",
@@ -70,6 +76,10 @@ __all__ = [
 ]
 
 TooLong = Literal["truncate", "drop"]
+
+
+class DataError(ValueError):
+    """A data file that cannot be read as training data; the message names the file (and line) and the fix."""
 
 # file suffix -> datasets builder; compressed files (.gz, .zst, ...) are read by the same builder
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
@@ -89,35 +99,40 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 class DataConfig:
     """Where the training data is and how it is tokenised; embedded in the training config."""
 
-    path: str | list[str] = field(metadata={"help": "hub dataset id, or local json/jsonl/parquet/text file(s): "
-                                                    "a path, a glob, a directory or a list of them"})
-    split: str = field(default="train", metadata={"help": "split to read; local files form the 'train' split "
-                                                          "(slices such as 'train[:95%]' work)"})
-    max_length: int = field(default=2048, metadata={"help": "longest sample in tokens"})
-    too_long: TooLong = field(default="truncate", metadata={
-        "help": "longer samples: 'truncate' keeps the first max_length tokens (dropped if no loss token "
-                "remains), 'drop' drops them"})
-    limit: int | None = field(default=None, metadata={"help": "read only the first N rows of the split"})
-    text_field: str | None = field(default=None, metadata={"help": "plain-text column (default: 'text')"})
-    conversations_field: str | None = field(default=None, metadata={
-        "help": "conversation column (default: 'conversations', then 'messages')"})
-    text_sample_by: Literal["line", "paragraph", "document"] = field(default="document", metadata={
-        "help": "for .txt files: one sample per line, paragraph or whole file"})
-    draft_vocab_size: int = field(default=32000, metadata={
-        "help": "size of the draft vocabulary (most frequent loss-masked target tokens); "
-                ">= the target vocabulary means all of it"})
-    num_proc: int | None = field(default=None, metadata={"help": "processes for tokenisation (None: one)"})
-    cache_dir: str | None = field(default=None, metadata={"help": "datasets cache directory (None: HF default)"})
+    path: str | list[str]
+    """hub dataset id, or local json/jsonl/parquet/text file(s): a path, a glob, a directory or a list of them"""
+    split: str = "train"
+    """split to read; local files form the 'train' split (slices such as 'train[:95%]' work)"""
+    max_length: int = 2048
+    """longest sample in tokens"""
+    too_long: TooLong = "truncate"
+    """longer samples: 'truncate' keeps the first max_length tokens (dropped if no loss token remains), 'drop' drops
+    them"""
+    limit: int | None = None
+    """read only the first N rows of the split"""
+    text_field: str | None = None
+    """plain-text column (default: 'text')"""
+    conversations_field: str | None = None
+    """conversation column (default: 'conversations', then 'messages')"""
+    text_sample_by: Literal["line", "paragraph", "document"] = "document"
+    """for .txt files: one sample per line, paragraph or whole file"""
+    draft_vocab_size: int = 32000
+    """size of the draft vocabulary (most frequent loss-masked target tokens); >= the target vocabulary means
+    all of it"""
+    num_proc: int | None = None
+    """processes for tokenisation (None: one)"""
+    max_missing_fraction: float = 0.1
+    """rows lacking the text / conversation field (null or absent) are skipped with a warning up to this
+    fraction of the rows; above it the data is refused"""
+    cache_dir: str | None = None
+    """datasets cache directory (None: HF default)"""
 
     def __post_init__(self) -> None:
-        if self.max_length < 1:
-            raise ValueError(f"max_length must be >= 1, got {self.max_length}")
+        at_least(self, max_length=1, limit=1, draft_vocab_size=1, num_proc=1)
+        if not 0.0 <= self.max_missing_fraction <= 1.0:
+            raise ConfigValueError("max_missing_fraction", f"must lie in [0, 1], got {self.max_missing_fraction!r}")
         if self.too_long not in ("truncate", "drop"):
-            raise ValueError(f"too_long must be 'truncate' or 'drop', got {self.too_long!r}")
-        if self.limit is not None and self.limit < 0:
-            raise ValueError(f"limit must be >= 0, got {self.limit}")
-        if self.draft_vocab_size < 1:
-            raise ValueError(f"draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
+            raise ConfigValueError("too_long", f"must be 'truncate' or 'drop', got {self.too_long!r}")
 
     def load(self, tokenizer):
         """:func:`load_examples` with these settings."""
@@ -125,6 +140,7 @@ class DataConfig:
             self.path, tokenizer, split=self.split, max_length=self.max_length, too_long=self.too_long,
             text_field=self.text_field, conversations_field=self.conversations_field, limit=self.limit,
             text_sample_by=self.text_sample_by, num_proc=self.num_proc, cache_dir=self.cache_dir,
+            max_missing_fraction=self.max_missing_fraction,
         )
 
 
@@ -145,6 +161,7 @@ def load_examples(
     text_sample_by: Literal["line", "paragraph", "document"] = "document",
     num_proc: int | None = None,
     cache_dir: str | None = None,
+    max_missing_fraction: float = 0.1,
 ):
     """Read ``source`` and tokenise it into a ``datasets.Dataset`` of ``input_ids`` / ``loss_mask``.
 
@@ -158,10 +175,11 @@ def load_examples(
         raise ValueError(f"max_length must be >= 1, got {max_length}")
     import datasets
 
-    raw = source if isinstance(source, datasets.Dataset) else _load_raw(source, split, text_sample_by, cache_dir)
+    raw = source if isinstance(source, datasets.Dataset) else load_raw(source, split, text_sample_by, cache_dir)
     if limit is not None:
         raw = raw.select(range(min(limit, len(raw))))
     kind, column = _find_column(raw.column_names, text_field, conversations_field, source)
+    _check_missing(raw, column, source, max_missing_fraction)
     if kind == "conversations" and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("the dataset holds conversations but the tokenizer has no chat_template")
     features = datasets.Features(
@@ -219,10 +237,84 @@ def _builder(path: Path, strict: bool = True) -> str | None:
     return builder
 
 
-def _load_raw(source, split: str, text_sample_by: str, cache_dir: str | None):
+def load_raw(source, split: str = "train", text_sample_by: str = "document", cache_dir: str | None = None):
+    """The rows of ``source`` (a hub id, or local files: a path, glob, folder or a list of them) as a
+    ``datasets.Dataset``, untokenised: the one reader of data files, for training and regeneration. A local
+    file that is empty, not UTF-8 or holds a line that is not JSON raises DataError naming the file and line."""
+    files = _local_files(source)
+    for f in files or []:
+        _check_utf8(Path(f))
+    try:
+        return _read_raw(source, files, split, text_sample_by, cache_dir)
+    except Exception:  # datasets' errors name neither file nor line: find them, else re-raise as it was
+        for f in files or []:
+            check_data_file(Path(f))
+        raise
+
+
+def _check_utf8(path: Path, block: int = 1 << 26) -> None:
+    """Empty or not UTF-8 (read in blocks, C speed): a DataError naming the file and line, before
+    ``datasets`` reads it (its JSON reader would keep broken bytes without a word)."""
+    if _builder(path, strict=False) not in ("json", "text") or any(s.lower() in _COMPRESSION for s in path.suffixes):
+        return
+    if path.stat().st_size == 0:
+        check_data_file(path)
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError:
+                check_data_file(path)  # names the line
+                raise
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            check_data_file(path)
+            raise
+
+
+def check_data_file(path: Path) -> None:
+    """DataError if the (uncompressed) json / jsonl / text file ``path`` is empty, not UTF-8, or (jsonl) holds
+    a line that is not a JSON object; the message names the file, the line and the fix."""
+    builder = _builder(path, strict=False)
+    if builder not in ("json", "text") or any(s.lower() in _COMPRESSION for s in path.suffixes):
+        return
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start}); "
+                        "convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+    if not text.strip():
+        raise DataError(f"{path} is empty: it holds no rows; remove it from data.path or fill it")
+    if builder != "json":
+        return
+    if path.suffix.lower() == ".json":
+        try:
+            json.loads(text)
+            return  # one JSON document
+        except json.JSONDecodeError:
+            pass  # JSON lines in a .json file: check them line by line
+    for i, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}:{i}: not valid JSON ({exc.msg} at column {exc.colno}); fix or remove the "
+                            "line (each line of a .jsonl file is one JSON object)") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{i}: a JSON {type(row).__name__}, not an object with a text or "
+                            "conversations field")
+
+
+def _read_raw(source, files: list[str] | None, split: str, text_sample_by: str, cache_dir: str | None):
     import datasets
 
-    files = _local_files(source)
     if files is None:  # hub id
         return datasets.load_dataset(source, split=split, cache_dir=cache_dir)
     builders = {_builder(Path(f)) for f in files}
@@ -240,6 +332,19 @@ def _load_raw(source, split: str, text_sample_by: str, cache_dir: str | None):
         raise ValueError(f"the data files share no column: {[p.column_names for p in parts]}")
     parts = [p.select_columns(shared) for p in parts]
     return datasets.concatenate_datasets([p.cast(parts[0].features) for p in parts])
+
+
+def _check_missing(raw, column: str, source, max_fraction: float) -> int:
+    """Count the rows whose ``column`` is null (absent in that row); warn, or refuse above ``max_fraction``."""
+    missing = raw.data.column(column).null_count if len(raw) else 0
+    if missing:
+        share = missing / len(raw)
+        msg = f"{missing} of {len(raw)} rows of {source!r} ({share:.0%}) have no {column!r} field"
+        if share > max_fraction:
+            raise DataError(f"{msg}: more than data.max_missing_fraction={max_fraction}; check the field name "
+                            f"(data.text_field / data.conversations_field) or raise data.max_missing_fraction")
+        warnings.warn(f"{msg}; they are skipped", stacklevel=3)
+    return missing
 
 
 def _find_column(found: list[str], text_field: str | None, conversations_field: str | None, source) -> tuple[str, str]:

@@ -1,5 +1,8 @@
-"""Atomic folder writes: build in a hidden temporary sibling, then swap it in with renames, so a
-reader never sees a half-written head or checkpoint and an interrupted write leaves the old one."""
+"""Atomic writes: a file or folder is built under a hidden temporary name beside its destination,
+then renamed into place, so a reader never sees half of it and an interrupted write leaves the old
+one. Every writer in eagle_tree goes through :func:`atomic_file`, :func:`atomic_dir` or
+:func:`write_text` / :func:`write_bytes`. Temporary names carry the process id and a random part,
+so two processes never share one."""
 
 from __future__ import annotations
 
@@ -10,23 +13,66 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+__all__ = ["atomic_dir", "atomic_file", "write_text", "write_bytes", "temp_prefix"]
+
+
+def temp_prefix(path: Path) -> str:
+    """Prefix of the temporary names of ``path``: hidden, and unique to this process."""
+    return f".{path.name}.{os.getpid()}."
+
 
 @contextmanager
-def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield an empty temporary folder beside ``path``; on success it replaces ``path``."""
+def atomic_file(path: str | os.PathLike, mode: int = 0o644) -> Iterator[Path]:
+    """Yield a temporary file path beside ``path`` (the file may be written by any means, e.g.
+    ``torch.save``); on success it replaces ``path``, on error it is removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    fd, name = tempfile.mkstemp(prefix=temp_prefix(path), suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        os.chmod(tmp, mode)  # mkstemp creates 0600
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically."""
+    with atomic_file(path) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)
+
+
+def write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically."""
+    return write_bytes(path, text.encode())
+
+
+@contextmanager
+def atomic_dir(path: str | os.PathLike, keep_existing: bool = False) -> Iterator[Path]:
+    """Yield an empty temporary folder beside ``path``; on success it replaces ``path`` (or, with
+    ``keep_existing``, is dropped when another process created ``path`` meanwhile: a shared cache)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(path), dir=path.parent))
     try:
         yield tmp
         tmp.chmod(0o755)  # mkdtemp makes it 0700
+        if path.exists() and keep_existing:
+            return
         if path.exists():
-            old = path.with_name(f".{path.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
+            old = Path(tempfile.mkdtemp(prefix=temp_prefix(path) + "old.", dir=path.parent))
+            old.rmdir()
             path.rename(old)
             tmp.rename(path)
             shutil.rmtree(old, ignore_errors=True)
         else:
-            tmp.rename(path)
+            try:
+                tmp.rename(path)
+            except OSError:  # created by another process since the check
+                if not keep_existing:
+                    raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

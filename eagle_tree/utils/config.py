@@ -5,16 +5,19 @@ calls :func:`parse_cli`::
 
     @dataclass
     class TrainConfig:
-        lr: float = field(default=3e-4, metadata={"help": "peak learning rate"})
+        lr: float = 3e-4
+        '''peak learning rate'''
         wandb: WandbConfig = field(default_factory=WandbConfig)
+        '''Weights & Biases logging'''
 
     cfg = parse_cli(TrainConfig, ["--config", "train.yaml", "lr=1e-4", "wandb.mode=disabled"])
 
-A field's help text (shown by ``--help``) is ``field(metadata={"help": ...})`` or, litgpt-style, a
-string literal on the line after the field. Values are checked against the annotations (int,
-float, bool, str, Path, ``X | None``, ``list[X]``, ``tuple[...]``, ``dict[str, X]``, ``Literal``,
-nested dataclasses); unknown keys are errors with a suggestion. The resolved config is written
-with :func:`save_config` beside every checkpoint and result.
+A field's help text (shown by ``--help``) is its attribute docstring: a string literal on the line
+after the field (the one convention for every config of eagle_tree). Value ranges are checked in the
+dataclass's ``__post_init__`` with :func:`at_least` or :class:`ConfigValueError`, which name the key.
+Values are checked against the annotations (int, float, bool, str, Path, ``X | None``, ``list[X]``,
+``tuple[...]``, ``dict[str, X]``, ``Literal``, nested dataclasses); unknown keys are errors with a
+suggestion. The resolved config is written with :func:`save_config` beside every checkpoint and result.
 """
 
 from __future__ import annotations
@@ -23,9 +26,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
-import os
 import sys
-import tempfile
 import textwrap
 import types
 from collections.abc import Sequence
@@ -36,11 +37,28 @@ import yaml
 
 T = TypeVar("T")
 
-__all__ = ["ConfigError", "load_config", "config_to_dict", "save_config", "parse_cli", "format_help"]
+__all__ = ["ConfigError", "ConfigValueError", "at_least", "load_config", "config_to_dict", "save_config",
+           "parse_cli", "format_help"]
 
 
 class ConfigError(ValueError):
     """A config file, override or value that does not fit the schema."""
+
+
+class ConfigValueError(ValueError):
+    """A value out of its range, raised by a config dataclass; the parser prefixes the section's path."""
+
+    def __init__(self, key: str, problem: str):
+        super().__init__(f"{key} {problem}")
+        self.key, self.problem = key, problem
+
+
+def at_least(cfg: Any, **minimums: float) -> None:
+    """Raise ConfigValueError for the first field of ``cfg`` below its minimum (None values are skipped)."""
+    for name, minimum in minimums.items():
+        value = getattr(cfg, name)
+        if value is not None and value < minimum:
+            raise ConfigValueError(name, f"must be >= {minimum}, got {value!r}")
 
 
 def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
@@ -74,20 +92,10 @@ def config_to_dict(cfg: Any) -> Any:
 
 
 def save_config(cfg: Any, path: str | Path) -> Path:
-    """Write the resolved config as YAML, atomically (a temporary file, then ``os.replace``)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    """Write the resolved config as YAML, atomically."""
+    from eagle_tree.utils.atomic import write_text
+
+    return write_text(path, yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
 
 def parse_cli(schema: type[T], argv: Sequence[str], prog: str | None = None) -> T:
@@ -216,7 +224,7 @@ def _build(cls: type[T], data: Any, prefix: tuple[str, ...], where: str) -> T:
     kwargs, missing = {}, []
     for name, (tp, f) in fields.items():
         if name in data:
-            kwargs[name] = _coerce(data[name], tp, (*prefix, name), where)
+            kwargs[name] = _coerce(_onto_factory(data[name], tp, f), tp, (*prefix, name), where)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             if _dataclass_of(tp) is not None:
                 kwargs[name] = _build(_dataclass_of(tp), {}, (*prefix, name), where)
@@ -226,8 +234,24 @@ def _build(cls: type[T], data: Any, prefix: tuple[str, ...], where: str) -> T:
         raise ConfigError(f"missing required config key(s): {', '.join(missing)}{where}")
     try:
         return cls(**kwargs)
+    except ConfigValueError as exc:
+        key = ".".join((*prefix, exc.key))
+        raise ConfigError(f"config key {key!r} {exc.problem}{where}") from exc
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"invalid {dotted}: {exc}") from exc
+
+
+def _onto_factory(value: Any, tp: Any, f: dataclasses.Field) -> Any:
+    """A section's given keys laid over its real default (the factory's instance, which may differ from the
+    class defaults), so that ``data.max_length=64`` keeps the ``data.path`` the factory sets."""
+    if _dataclass_of(tp) is None or not isinstance(value, dict) or f.default_factory is dataclasses.MISSING:
+        return value
+    base = config_to_dict(f.default_factory())
+    if not isinstance(base, dict):
+        return value
+    for k, v in value.items():
+        _merge(base, k, v)
+    return base
 
 
 def _coerce(value: Any, tp: Any, path: tuple[str, ...], where: str) -> Any:
@@ -317,7 +341,7 @@ def _type_name(tp: Any) -> str:
 
 
 def _attribute_docs(cls: type) -> dict[str, str]:
-    """litgpt-style field docstrings: a string literal on the line after ``name: type = default``."""
+    """Attribute docstrings: the string literal on the line after ``name: type = default``."""
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass):
@@ -334,20 +358,25 @@ def _attribute_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _help_lines(cls: type, prefix: str, lines: list[str]) -> None:
+def _help_lines(cls: type, prefix: str, lines: list[str], values: Any = None) -> None:
+    """One entry per field; ``values`` is the section's real default (a factory may set other values than
+    the class's own defaults, e.g. ``field(default_factory=lambda: SamplingConfig(temperature=0.0))``)."""
     docs = _attribute_docs(cls)
     for name, (tp, f) in _fields(cls).items():
-        help_text = f.metadata.get("help") or docs.get(name, "")
-        sub = _dataclass_of(tp)
-        if sub is not None and (f.default is dataclasses.MISSING or f.default is not None):
-            lines.append(f"  {prefix}{name}:" + (f"  {help_text}" if help_text else ""))
-            _help_lines(sub, f"{prefix}{name}.", lines)
-            continue
-        if f.default is not dataclasses.MISSING:
-            default = repr(config_to_dict(f.default))
+        help_text = docs.get(name, "")
+        if values is not None:
+            default = getattr(values, name)
+        elif f.default is not dataclasses.MISSING:
+            default = f.default
         elif f.default_factory is not dataclasses.MISSING:
-            default = repr(config_to_dict(f.default_factory()))
+            default = f.default_factory()
         else:
-            default = "(required)"
-        lines.append(f"  {prefix}{name}: {_type_name(tp)} = {default}")
+            default = dataclasses.MISSING
+        sub = _dataclass_of(tp)
+        if sub is not None and default is not None:
+            lines.append(f"  {prefix}{name}:" + (f"  {help_text}" if help_text else ""))
+            _help_lines(sub, f"{prefix}{name}.", lines, None if default is dataclasses.MISSING else default)
+            continue
+        shown = "(required)" if default is dataclasses.MISSING else repr(config_to_dict(default))
+        lines.append(f"  {prefix}{name}: {_type_name(tp)} = {shown}")
         lines += [f"      {line}" for line in help_text.splitlines()]

@@ -1,0 +1,92 @@
+"""What a training config names, made concrete: the target model and tokenizer, the data files, the
+held-out prompts ('toy' builds or reuses the toy target; 'stdlib:...' writes corpus chunks)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+
+from eagle_tree.reference.corpus import split_jsonl
+from eagle_tree.training.config import TrainConfig
+from eagle_tree.training.data import DataConfig
+
+__all__ = ["load_target", "check_target_path", "resolve_data", "read_prompts"]
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _toy_assets(cfg: TrainConfig):
+    from eagle_tree.reference.toy import build_toy
+
+    return build_toy(cfg.target.toy, cfg.target.toy_cache_dir)
+
+
+def load_target(cfg: TrainConfig):
+    """(TargetModel, tokenizer) for ``cfg.target`` ('toy' builds or reuses the toy target)."""
+    from transformers import AutoTokenizer
+
+    from eagle_tree.models.target import TargetModel
+
+    path = str(_toy_assets(cfg).target) if cfg.target.path == "toy" else check_target_path(cfg.target.path)
+    target = TargetModel.from_pretrained(path, dtype=_DTYPES[cfg.target.dtype],
+                                         feature_layers=cfg.target.feature_layers,
+                                         attn_implementation=cfg.target.attn_implementation)
+    for p in target.model.parameters():
+        p.requires_grad_(False)
+    return target, AutoTokenizer.from_pretrained(path)
+
+
+def check_target_path(path: str) -> str:
+    """``path`` if it can name a target model: an existing model folder, or a hub id ``org/name``. A local
+    path that does not exist, or a draft head's folder, is refused with the fix."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        looks_local = p.is_absolute() or path.startswith((".", "~")) or path.count("/") > 1 or path.endswith("/")
+        if looks_local:
+            raise FileNotFoundError(f"target.path: no folder {path!r}; give a local model folder (config.json, "
+                                    "weights, tokenizer) or a hub id such as org/name")
+        return path
+    if not p.is_dir():
+        raise FileNotFoundError(f"target.path: {path!r} is a file; give the model's folder")
+    config = p / "config.json"
+    meta = json.loads(config.read_text()) if config.is_file() else {}
+    if "draft_vocab_size" in meta or any("eagle" in str(a).lower() for a in meta.get("architectures", [])):
+        raise ValueError(f"target.path: {path!r} holds a draft head, not a target model; give the target model's "
+                         "folder as target.path (and the head as model.init_from to start from it)")
+    if not config.is_file():
+        raise FileNotFoundError(f"target.path: {path!r} holds no config.json; give a model folder saved with "
+                                "save_pretrained (config.json, weights, tokenizer)")
+    return path
+
+
+def resolve_data(cfg: TrainConfig) -> DataConfig:
+    """``cfg.data`` with the special paths ('toy', 'stdlib:...') replaced by local files."""
+    data = copy.copy(cfg.data)
+    if data.path == "toy":
+        data.path = str(_toy_assets(cfg).train_file)
+    elif isinstance(data.path, str) and data.path.startswith("stdlib:"):
+        data.path = str(split_jsonl(data.path, Path(cfg.output_dir) / "data", chunk_chars=3 * data.max_length))
+    elif isinstance(data.path, list):  # a list may mix 'stdlib:' specs with local files
+        data.path = [str(split_jsonl(p, Path(cfg.output_dir) / "data", chunk_chars=3 * data.max_length))
+                     if isinstance(p, str) and p.startswith("stdlib:") else p for p in data.path]
+    return data
+
+
+def read_prompts(cfg: TrainConfig) -> list[str]:
+    """The held-out evaluation prompts (``eval.prompts``), the first ``eval.num_prompts``."""
+    spec = cfg.eval.prompts
+    if spec is None:
+        return []
+    path = _toy_assets(cfg).prompts_file if spec == "toy" else Path(spec)
+    if not path.is_file():
+        raise FileNotFoundError(f"eval.prompts: no prompt file {str(path)!r}")
+    if path.suffix == ".jsonl":
+        prompts = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
+    else:
+        prompts = [line for line in path.read_text().splitlines() if line.strip()]
+    return prompts[: cfg.eval.num_prompts]
+

@@ -1,0 +1,233 @@
+"""One run per output folder. A run records its identity in OUTPUT_DIR/run.json (run id, config hash,
+seed, start time) and every checkpoint it writes carries the run id. Rules:
+
+- a fresh run refuses a folder that holds another run's checkpoints or final head, unless ``resume`` is
+  set or ``overwrite=true`` (which deletes that run's checkpoints, final head, summary and identity; other
+  files are kept);
+- ``resume`` compares the checkpoint's config with the new one and lists every changed key with whether
+  it takes effect; changes that cannot take effect (data, target, head, optimiser hyper-parameters kept in
+  the optimiser state, batch size, seed, a ``schedule.max_steps`` below the checkpoint's step) are refused;
+- a lock file (OUTPUT_DIR/train.lock, holding the writer's pid and host) stops a second writer; it is
+  released on exit, and the lock of a process that no longer runs is taken over with a warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from eagle_tree.training.checkpoint import CONFIG_NAME, checkpoint_dirs, checkpoint_run_id
+from eagle_tree.utils.atomic import write_text
+
+RUN_FILE = "run.json"
+LOCK_FILE = "train.lock"
+WRITTEN = ("checkpoints", "final", "train_summary.json", RUN_FILE, CONFIG_NAME)  # what overwrite=true deletes
+
+# keys whose change on resume has no effect on the trained head
+NEUTRAL = ("output_dir", "resume", "overwrite", "progress", "threads", "log_every", "wandb.")
+# keys whose new value cannot take effect on resume (prefixes); every other key takes effect
+FROZEN = {
+    "target.": "the checkpoint's head belongs to its target",
+    "data.": "the data, its tokenisation and the draft vocabulary are fixed by the checkpoint",
+    "model.": "the head's weights come from the checkpoint",
+    "optim.lr": "the optimiser state holds the learning rate",
+    "optim.betas": "the optimiser state holds the betas",
+    "optim.eps": "the optimiser state holds eps",
+    "optim.weight_decay": "the optimiser state holds the weight decay",
+    "optim.batch_size": "the saved data position counts batches of the old size",
+    "seed": "the data order is fixed by the seed",
+    "features.": "the feature cache is fingerprinted with the old settings",
+}
+
+__all__ = ["RunIdentity", "RunFolderError", "claim_output_dir", "resume_changes", "RunLock", "config_hash"]
+
+
+class RunFolderError(RuntimeError):
+    """The output folder belongs to another run, is being written by another process, or a resume
+    asks for changes that cannot take effect."""
+
+
+@dataclass
+class RunIdentity:
+    run_id: str
+    config_hash: str
+    seed: int
+    started: str
+
+    def write(self, out_dir: Path) -> None:
+        write_text(out_dir / RUN_FILE, json.dumps(self.__dict__, indent=1) + "\n")
+
+    @classmethod
+    def read(cls, out_dir: Path) -> RunIdentity | None:
+        path = out_dir / RUN_FILE
+        if not path.is_file():
+            return None
+        data = json.loads(path.read_text())
+        return cls(**{k: data[k] for k in ("run_id", "config_hash", "seed", "started")})
+
+
+def _flat(data, prefix: str = "") -> dict:
+    if isinstance(data, dict):
+        out = {}
+        for k, v in data.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: data}
+
+
+def config_hash(cfg) -> str:
+    """sha256 (16 hex) of the settings that shape the trained head (neutral keys left out)."""
+    from eagle_tree.utils.config import config_to_dict
+
+    flat = {k: v for k, v in _flat(config_to_dict(cfg)).items() if not k.startswith(NEUTRAL)}
+    return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _holds_a_run(out_dir: Path) -> bool:
+    return bool(checkpoint_dirs(out_dir)) or (out_dir / "final").exists()
+
+
+def claim_output_dir(cfg, resume_from: Path | None) -> RunIdentity:
+    """The identity of this run in ``cfg.output_dir``: the resumed run's, or a new one (after the checks
+    and, with ``overwrite``, the removal of the old run's outputs); written to run.json."""
+    out_dir = Path(cfg.output_dir)
+    old = RunIdentity.read(out_dir)
+    if resume_from is not None:
+        ckpt_run = checkpoint_run_id(resume_from)
+        inside = resume_from.resolve().parent.parent == out_dir.resolve()
+        if inside and old is not None and ckpt_run is not None and ckpt_run != old.run_id:
+            raise RunFolderError(
+                f"checkpoint {resume_from} was written by run {ckpt_run}, but {out_dir / RUN_FILE} names run "
+                f"{old.run_id}: the folder mixes two runs; resume from an explicit checkpoint of one of them in a "
+                "fresh output_dir")
+        if inside and ckpt_run is not None:
+            ident = RunIdentity(ckpt_run, config_hash(cfg), cfg.seed, old.started if old else _now())
+            ident.write(out_dir)
+            return ident
+    elif _holds_a_run(out_dir):
+        who = f"run {old.run_id} (started {old.started})" if old else "an earlier run"
+        if not getattr(cfg, "overwrite", False):
+            raise RunFolderError(
+                f"output_dir {out_dir} holds the checkpoints or final head of {who}. Continue it with "
+                "resume=latest, choose another output_dir, or pass overwrite=true to delete that run's "
+                "checkpoints, final head and summary and start a new run there")
+        for name in WRITTEN:
+            path = out_dir / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+        print(f"[eagle-tree train] overwrite=true: removed the outputs of {who} from {out_dir}", flush=True)
+    ident = RunIdentity(uuid.uuid4().hex[:12], config_hash(cfg), cfg.seed, _now())
+    ident.write(out_dir)
+    return ident
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def resume_changes(cfg, ckpt: Path, ckpt_step: int) -> list[str]:
+    """Report the settings that differ between checkpoint ``ckpt`` and ``cfg``: one line per changed key
+    with whether it takes effect. Raises RunFolderError listing the changes that cannot take effect."""
+    from eagle_tree.utils.config import config_to_dict
+
+    path = ckpt / CONFIG_NAME
+    if not path.is_file():
+        return [f"{ckpt} holds no {CONFIG_NAME}: changed settings cannot be checked"]
+    before = _flat(yaml.safe_load(path.read_text()) or {})
+    after = _flat(json.loads(json.dumps(config_to_dict(cfg), default=str)))
+    lines, refused = [], []
+    for key in sorted(set(before) | set(after)):
+        a, b = before.get(key), after.get(key)
+        if _same(a, b) or key.startswith(NEUTRAL):
+            continue
+        reason = next((why for prefix, why in FROZEN.items() if key == prefix or key.startswith(prefix)), None)
+        if reason is not None:
+            refused.append(f"  {key}: {a!r} -> {b!r} cannot take effect ({reason})")
+        else:
+            lines.append(f"  {key}: {a!r} -> {b!r} takes effect from step {ckpt_step}")
+    if cfg.schedule.epochs is None and cfg.schedule.max_steps < ckpt_step:
+        refused.append(f"  schedule.max_steps={cfg.schedule.max_steps} is below the checkpoint's step {ckpt_step}")
+    if refused:
+        raise RunFolderError(
+            f"resume from {ckpt} refused: these settings differ from the checkpoint's and cannot take effect:\n"
+            + "\n".join(refused)
+            + "\nUse the checkpoint's values (its config.yaml), or start a new run in another output_dir "
+              "(model.init_from=CHECKPOINT keeps the weights)")
+    return lines
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, int | float) and isinstance(b, int | float) and not isinstance(a, bool):
+        return float(a) == float(b)
+    return a == b
+
+
+class RunLock:
+    """OUTPUT_DIR/train.lock, created exclusively; a stale lock (its process is gone) is taken over."""
+
+    def __init__(self, out_dir: Path):
+        self.path = out_dir / LOCK_FILE
+        self.held = False
+
+    def acquire(self) -> RunLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        me = {"pid": os.getpid(), "host": socket.gethostname()}
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is not None and self._alive(holder):
+                    raise RunFolderError(
+                        f"another training (pid {holder.get('pid')} on {holder.get('host')}) is writing to "
+                        f"{self.path.parent}; wait for it or choose another output_dir (if no such process "
+                        f"runs, delete {self.path})") from None
+                print(f"[eagle-tree train] warning: taking over the stale lock {self.path} of pid "
+                      f"{(holder or {}).get('pid')}, which no longer runs", file=sys.stderr, flush=True)
+                self.path.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            return self
+        raise RunFolderError(f"could not take the lock {self.path}; another process is taking it at the same time")
+
+    def _holder(self) -> dict | None:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    @staticmethod
+    def _alive(holder: dict) -> bool:
+        if holder.get("host") != socket.gethostname():
+            return True  # another machine's process cannot be checked: assume it runs
+        pid = holder.get("pid")
+        if not isinstance(pid, int) or pid == os.getpid():
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def release(self) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False

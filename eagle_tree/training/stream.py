@@ -1,0 +1,67 @@
+"""The data stream of a training run: micro-batches in a resumable order, and their target features and
+logits (online from the target, or read from a FeatureCache)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["DataStream", "pad_targets", "batch_targets"]
+
+
+class DataStream:
+    """Micro-batches epoch after epoch in the order fixed by (seed, epoch); the position is resumable."""
+
+    def __init__(self, examples, batch_size: int, seed: int, pad_id: int, epoch: int = 0, index: int = 0):
+        self.examples, self.batch_size, self.seed, self.pad_id = examples, batch_size, seed, pad_id
+        self.epoch, self.index = epoch, index
+        self._it: Iterator | None = None
+
+    def position(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def next(self):
+        from eagle_tree.training.data import batches
+
+        while True:
+            if self._it is None:
+                self._it = batches(self.examples, self.batch_size, self.seed, self.epoch, pad_id=self.pad_id,
+                                   start=self.index)
+            batch = next(self._it, None)
+            if batch is not None:
+                self.index = batch.index + 1
+                return batch
+            self.epoch, self.index, self._it = self.epoch + 1, 0, None
+
+    def take(self, n: int) -> list:
+        return [self.next() for _ in range(n)]
+
+
+
+def pad_targets(rows: list[tuple[torch.Tensor, torch.Tensor]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-example (features (T_i, 3H), logits (T_i, V)) -> right-padded (B, width, 3H), (B, width, V).
+    Padding is zeros (finite logits, so the masked-out padded positions stay NaN-free)."""
+    f0, z0 = rows[0]
+    features = f0.new_zeros((len(rows), width, f0.shape[-1]))
+    logits = z0.new_zeros((len(rows), width, z0.shape[-1]))
+    for i, (f, z) in enumerate(rows):
+        features[i, : f.shape[0]] = f
+        logits[i, : z.shape[0]] = z
+    return features, logits
+
+
+def batch_targets(batch, target=None, cache=None, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(features (B, T, 3H), logits (B, T, V) float32) of a data.Batch, online or from a FeatureCache."""
+    from eagle_tree.training.feature_cache import example_targets
+
+    rows = []
+    for row, i in enumerate(batch.indices):
+        if cache is not None:
+            rows.append(cache.targets(i))
+        else:
+            ids = batch.input_ids[row, : int(batch.lengths[row])]
+            rows.append(example_targets(target, ids))
+    features, logits = pad_targets(rows, batch.input_ids.shape[1])
+    return (features, logits) if device is None else (features.to(device), logits.to(device))
+
