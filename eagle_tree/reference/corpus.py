@@ -90,9 +90,7 @@ class Manifest:
                 "fractions": self.fractions, "files": self.files}
 
     def save(self, path: str | Path) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        write_text(path, json.dumps(self.to_json(), indent=1) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> Manifest:

@@ -26,6 +26,7 @@ from typing import Literal
 import torch
 
 from eagle_tree.training.data import CONVERSATION_FIELDS, TEXT_FIELDS, normalize_messages
+from eagle_tree.utils.atomic import write_text
 
 MARKER = "_batch_done"  # key of the line that ends each finished batch in OUTPUT.partial
 
@@ -213,9 +214,7 @@ def regenerate(cfg: RegenerateConfig, model=None, tokenizer=None, progress: bool
             bar.update(len(batch))
     bar.close()
     rows = [line for line in partial.read_text().splitlines() if line and MARKER not in json.loads(line)]
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    tmp.write_text("".join(r + "\n" for r in rows))
-    os.replace(tmp, out)
+    write_text(out, "".join(r + "\n" for r in rows))
     partial.unlink()
     return {"rows": len(rows), "batches": len(batches), "resumed_batches": done, "new_tokens_this_run": new_tokens,
             "output": str(out)}
@@ -240,12 +239,12 @@ def _completed_batches(partial: Path, fingerprint: str) -> int:
     lines = partial.read_text().splitlines(keepends=True)
     last = max((i for i, line in enumerate(lines) if line.startswith(f'{{"{MARKER}"')), default=-1)
     if last < 0:
-        partial.write_text("")
+        write_text(partial, "")
         return 0
     marker = json.loads(lines[last])
     if marker.get("fingerprint") != fingerprint:
         raise ValueError(f"{partial} holds rows of an interrupted run with other settings or data; rerun with "
                          f"those settings to resume it, or delete the file to start again")
     if last + 1 != len(lines):
-        partial.write_text("".join(lines[: last + 1]))
+        write_text(partial, "".join(lines[: last + 1]))
     return marker[MARKER] + 1

@@ -4,6 +4,7 @@ run id) and config.yaml. Save (atomic), load, latest, prune (this run's checkpoi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -81,7 +82,7 @@ def save_checkpoint(acc, cfg: TrainConfig, module, draft, optimizer, scheduler, 
     """Atomically write OUTPUT_DIR/checkpoints/step-N, built in a hidden folder unique to this run's main
     process and renamed into place. Every process takes part (gathers); the main process writes. A write
     error (full disk) raises CheckpointWriteError naming the folder and the free space."""
-    from eagle_tree.utils.atomic import temp_prefix
+    from eagle_tree.utils.atomic import atomic_dir
     from eagle_tree.utils.config import save_config
 
     rng = gather_object(acc, _rng_state())
@@ -89,32 +90,27 @@ def save_checkpoint(acc, cfg: TrainConfig, module, draft, optimizer, scheduler, 
     sharded = acc.distributed_type.name == "FSDP"
     root = Path(cfg.output_dir) / "checkpoints"
     final = root / f"step-{step}"
-    tmp = root / f"{temp_prefix(final)}partial"
-    if sharded and acc.num_processes > 1:  # the ranks write into the main process's folder
-        tmp = Path(gather_object(acc, str(tmp))[0])
     try:
-        if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-            full_head(draft, weights).save_pretrained(tmp)  # creates tmp: config.json + model.safetensors
-        acc.wait_for_everyone()
-        if sharded:  # FSDP: every rank keeps its own optimiser shard
-            torch.save(optimizer.state_dict(), tmp / f"optimizer-rank{acc.process_index}.pt")
+        with contextlib.ExitStack() as stack:
+            tmp = stack.enter_context(atomic_dir(final)) if acc.is_main_process else None
+            if sharded and acc.num_processes > 1:  # the ranks write into the main process's folder
+                tmp = Path(gather_object(acc, str(tmp))[0])
+            if acc.is_main_process:
+                full_head(draft, weights).save_pretrained(tmp)  # config.json + model.safetensors
             acc.wait_for_everyone()
-        if acc.is_main_process:
-            state = {
-                "step": step, "progress": progress, "scheduler": scheduler.state_dict(),
-                "optimizer": None if sharded else optimizer.state_dict(), "rng": rng,
-                "world_size": acc.num_processes, "draft_ids": draft.draft_to_target.tolist(), "run_id": run_id,
-            }
-            torch.save(state, tmp / STATE_NAME)
-            save_config(cfg, tmp / CONFIG_NAME)
-            (tmp / RUN_ID_NAME).write_text(run_id + "\n")
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            if sharded:  # FSDP: every rank keeps its own optimiser shard
+                torch.save(optimizer.state_dict(), tmp / f"optimizer-rank{acc.process_index}.pt")
+                acc.wait_for_everyone()
+            if acc.is_main_process:
+                state = {
+                    "step": step, "progress": progress, "scheduler": scheduler.state_dict(),
+                    "optimizer": None if sharded else optimizer.state_dict(), "rng": rng,
+                    "world_size": acc.num_processes, "draft_ids": draft.draft_to_target.tolist(), "run_id": run_id,
+                }
+                torch.save(state, tmp / STATE_NAME)
+                save_config(cfg, tmp / CONFIG_NAME)
+                (tmp / RUN_ID_NAME).write_text(run_id + "\n")
     except (OSError, RuntimeError) as exc:
-        if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, RuntimeError) and not _is_write_error(exc):
             raise
         free = shutil.disk_usage(root if root.exists() else Path(cfg.output_dir)).free

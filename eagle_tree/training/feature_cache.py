@@ -38,7 +38,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -47,6 +46,7 @@ import numpy as np
 import torch
 
 from eagle_tree.training.data import iter_token_columns
+from eagle_tree.utils.atomic import atomic_file, write_bytes
 
 FORMAT_VERSION = 1
 META_NAME = "meta.json"
@@ -215,7 +215,7 @@ class FeatureCache:
         if rank == 0:  # an existing meta.json (and its shard size) wins; every rank checks it below
             directory.mkdir(parents=True, exist_ok=True)
             if not (directory / META_NAME).is_file():
-                _write_atomic(directory / META_NAME, (json.dumps(meta, indent=1) + "\n").encode())
+                write_bytes(directory / META_NAME, (json.dumps(meta, indent=1) + "\n").encode())
         barrier()
         meta = json.loads((directory / META_NAME).read_text())
         _check_fingerprint(directory, meta, fingerprint)  # all ranks raise together on a stale cache
@@ -302,17 +302,6 @@ def _check_fingerprint(directory: Path, meta: dict, fingerprint: dict) -> None:
         )
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _write_shard(path: Path, target, examples, indices: Sequence[int], draft_ids: torch.Tensor,
                  t2d: torch.Tensor) -> None:
     from safetensors.torch import save_file
@@ -332,11 +321,5 @@ def _write_shard(path: Path, target, examples, indices: Sequence[int], draft_ids
         "offsets": torch.tensor(offsets, dtype=torch.long),
         "example_ids": torch.tensor(list(indices), dtype=torch.long),
     }
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata={"format": str(FORMAT_VERSION)})
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": str(FORMAT_VERSION)})

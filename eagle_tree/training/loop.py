@@ -50,6 +50,7 @@ from eagle_tree.training.optim import adamw, lambda_schedule
 from eagle_tree.training.resolve import load_target, read_prompts, resolve_data
 from eagle_tree.training.rundir import RunLock, claim_output_dir, resume_changes
 from eagle_tree.training.stream import DataStream, batch_targets
+from eagle_tree.utils.atomic import write_text
 from eagle_tree.utils.finite import NonFiniteError, nonfinite_tensors
 from eagle_tree.utils.tracking import WandbConfig
 
@@ -423,7 +424,7 @@ class _Run:
             summary = {"steps": self.step, "tokens": self.tokens, "wall_s": round(wall, 2), "world_size": self.world,
                        "tokens_per_rank": tokens_per_rank, "mixed_precision": self.precision,
                        "final_metrics": self.metrics, "evals": self.evals, "final_dir": str(final_dir)}
-            (self.out_dir / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+            write_text(self.out_dir / "train_summary.json", json.dumps(summary, indent=1) + "\n")
             self.logger.summary(self.metrics)
             if self.evals:
                 self.logger.summary({f"eval/acceptance_length_{m}": self.evals[-1][f"acceptance_length_{m}"]
