@@ -70,9 +70,7 @@ class OptimSection:
     lacks it (fp16 on CPU, bf16 on CPUs without bf16 instructions)"""
 
     def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ConfigValueError("lr", f"must be > 0, got {self.lr!r}")
-        at_least(self, eps=0.0, weight_decay=0.0, grad_clip=0.0, batch_size=1, grad_accum=1)
+        at_least(self, lr=0.0, eps=0.0, weight_decay=0.0, grad_clip=0.0, batch_size=1, grad_accum=1)
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigValueError("betas", f"must lie in [0, 1), got {list(self.betas)}")
 
