@@ -109,6 +109,7 @@ def train_head(cfg: QuickstartConfig, out: Path) -> Path:
         f"wandb.mode={cfg.wandb.mode}",
         f"wandb.project={cfg.wandb.project}",
         f"seed={cfg.seed}",
+        "overwrite=true",  # OUTPUT/train is this command's own folder: a rerun replaces its run
         *cfg.train_overrides,
     ]
     train_cfg = load_config(TrainConfig, None, overrides)

@@ -85,12 +85,9 @@ def read_prompts(cfg: TrainConfig) -> list[str]:
     spec = cfg.eval.prompts
     if spec is None:
         return []
+    from eagle_tree.utils.prompts import read_prompts as read_prompt_texts
+
     path = _toy_assets(cfg).prompts_file if spec == "toy" else Path(spec)
-    if not path.is_file():
-        raise FileNotFoundError(f"eval.prompts: no prompt file {str(path)!r}")
-    if path.suffix == ".jsonl":
-        prompts = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
-    else:
-        prompts = [line for line in path.read_text().splitlines() if line.strip()]
+    prompts = read_prompt_texts(path)
     return prompts[: cfg.eval.num_prompts]
 
