@@ -20,9 +20,9 @@ from eagle_tree.training.config import TrainConfig
 from eagle_tree.training.data import batches
 from eagle_tree.training.evaluate import evaluate_acceptance
 from eagle_tree.training.loop import resolve_mixed_precision, train
-from eagle_tree.training.optim import lr_factor
 from eagle_tree.training.stream import DataStream
 from eagle_tree.utils.config import load_config
+from eagle_tree.utils.optim import lr_factor
 from eagle_tree.utils.wandb_records import read_run
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from eagle_tree.training.optim import adamw, lr_factor
 from eagle_tree.utils.atomic import atomic_file
+from eagle_tree.utils.optim import adamw, lr_factor
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 

@@ -163,7 +163,7 @@ def train_toy_target(cfg: ToyConfig, tokenizer, documents: list[str]):
         data[i, : len(r)] = torch.tensor(r)
     labels = data.masked_fill(data == tokenizer.pad_token_id, -100)
     gen = torch.Generator().manual_seed(cfg.seed)
-    from eagle_tree.training.optim import adamw, lr_factor
+    from eagle_tree.utils.optim import adamw, lr_factor
 
     opt = adamw(model, cfg.lr, weight_decay=0.01)
     warmup = max(1, cfg.train_steps // 20)

@@ -1,4 +1,8 @@
-"""Training an EAGLE-3 head: config schema, data stream, the accelerate loop, checkpoints and evaluation.
+"""The training loop of an EAGLE-3 head: ``train(cfg)`` runs one run phase by phase (setup, steps,
+evaluations, checkpoints, the final head). The pieces live beside it: the schema in ``config``, the
+micro-batches in ``stream``, checkpoint I/O in ``checkpoint``, the run folder's identity, lock and resume
+checks in ``rundir``, the target / data / prompts in ``resolve``, evaluation in ``evaluate``, and the
+optimiser and schedule in ``eagle_tree.utils.optim``.
 
 Flow (ARCHITECTURE.md, "Training flow")::
 
@@ -46,12 +50,12 @@ from eagle_tree.training.checkpoint import (
 from eagle_tree.training.config import TrainConfig
 from eagle_tree.training.data import DataError
 from eagle_tree.training.evaluate import evaluate_acceptance
-from eagle_tree.training.optim import adamw, lambda_schedule
 from eagle_tree.training.resolve import load_target, read_prompts, resolve_data
 from eagle_tree.training.rundir import RunLock, claim_output_dir, resume_changes
 from eagle_tree.training.stream import DataStream, batch_targets
 from eagle_tree.utils.atomic import write_text
 from eagle_tree.utils.finite import NonFiniteError, nonfinite_tensors
+from eagle_tree.utils.optim import adamw, lambda_schedule
 from eagle_tree.utils.tracking import WandbConfig
 
 __all__ = ["TrainResult", "train", "resolve_mixed_precision", "TTTLoss"]
