@@ -171,10 +171,22 @@ def test_one_run_per_output_folder(tmp_path, capsys):
     assert resumed.steps == 6
     assert json.loads((out / RUN_FILE).read_text())["run_id"] == ident["run_id"]  # the same run, continued
 
+    other = tmp_path / "other"
+    run(other)  # another run's folder
+    with pytest.raises(RunFolderError, match="continues a checkpoint of another folder"):
+        run(other, f"resume={out / 'checkpoints' / 'step-4'}")
+
+    (out / "notes.txt").write_text("the user's own file")
     fresh = run(out, "overwrite=true", "seed=3")
     assert json.loads((out / RUN_FILE).read_text())["run_id"] != ident["run_id"]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-4"]  # the old step-6 gone
+    assert (out / "notes.txt").read_text() == "the user's own file"  # overwrite deletes only what a run writes
     assert fresh.steps == 4 and first.steps == 4
+
+    identity = json.loads((out / RUN_FILE).read_text())
+    (out / RUN_FILE).write_text(json.dumps({**identity, "run_id": "another"}))
+    with pytest.raises(RunFolderError, match="the folder mixes two runs"):
+        run(out, "resume=latest", "seed=3")
 
 
 def test_pruning_only_considers_this_run(tmp_path):

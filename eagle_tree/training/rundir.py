@@ -114,6 +114,10 @@ def claim_output_dir(cfg, resume_from: Path | None) -> RunIdentity:
             ident = RunIdentity(ckpt_run, config_hash(cfg), cfg.seed, old.started if old else _now())
             ident.write(out_dir)
             return ident
+        if not inside and _holds_a_run(out_dir):
+            raise RunFolderError(
+                f"resume={resume_from} continues a checkpoint of another folder, but output_dir {out_dir} holds "
+                "the checkpoints or final head of another run; give a fresh output_dir")
     elif _holds_a_run(out_dir):
         who = f"run {old.run_id} (started {old.started})" if old else "an earlier run"
         if not getattr(cfg, "overwrite", False):
