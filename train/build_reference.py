@@ -1,60 +1,86 @@
 """Build the reference target and assistant models on the Python standard-library corpus.
 
-    python train/build_reference.py --out assets/reference
+    python train/build_reference.py out=assets/reference
+    python train/build_reference.py --help
 
 Steps: split the stdlib sources by file (manifest.json), train a byte-level BPE on the train
 split, train a Llama target and a small assistant LM with the same tokenizer, save both with
 ``save_pretrained`` (float16 weights, tokenizer files included), measure their held-out loss on
 the test split, write greedy sample continuations and held-out prompts. Rerunning the same
-command resumes from the checkpoints in ``--work`` and keeps a model whose ``eval.json`` records
+command resumes from the checkpoints in ``work`` and keeps a model whose ``eval.json`` records
 the same settings. Training time is turned into a fixed number of steps by timing a few steps
-first (or pass ``--target-steps`` / ``--assistant-steps``); the resolved step counts are recorded
+first (or set ``target_steps`` / ``assistant_steps``); the resolved step counts are recorded
 (``build.json``, ``exact_command``) so the run can be repeated exactly.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from eagle_tree.reference import builder as ref
 from eagle_tree.reference import corpus
+from eagle_tree.utils.atomic import write_text
+from eagle_tree.utils.config import at_least, parse_cli
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="assets/reference", help="output folder (shipped assets)")
-    p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "eagle_tree_reference"),
-                   help="folder for checkpoints and the step plan (not shipped)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument("--vocab-size", type=int, default=1024)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--target-layers", type=int, default=8)
-    p.add_argument("--target-hidden", type=int, default=256)
-    p.add_argument("--target-intermediate", type=int, default=704)
-    p.add_argument("--embed-std", type=float, default=1.0,
-                   help="std of the initial input embedding of both models (0 = library default, 0.02)")
-    p.add_argument("--minutes-target", type=float, default=60.0)
-    p.add_argument("--target-steps", type=int, default=None, help="overrides --minutes-target")
-    p.add_argument("--assistant-layers", type=int, default=1)
-    p.add_argument("--assistant-hidden", type=int, default=256)
-    p.add_argument("--assistant-intermediate", type=int, default=704)
-    p.add_argument("--minutes-assistant", type=float, default=5.0)
-    p.add_argument("--assistant-steps", type=int, default=None, help="overrides --minutes-assistant")
-    p.add_argument("--n-prompts", type=int, default=64)
-    p.add_argument("--eval-every-min", type=float, default=5.0)
-    return p.parse_args(argv)
+@dataclass
+class BuildConfig:
+    """Build the reference target and assistant models on the Python standard-library corpus."""
+
+    out: str = "assets/reference"
+    """output folder (shipped assets)"""
+    work: str = str(Path(tempfile.gettempdir()) / "eagle_tree_reference")
+    """folder for checkpoints and the step plan (not shipped)"""
+    seed: int = 0
+    """seed of the corpus split, the models and the data order"""
+    threads: int = 1
+    """torch CPU threads"""
+    vocab_size: int = 1024
+    """byte-level BPE vocabulary size"""
+    seq_len: int = 512
+    """tokens per training row"""
+    batch_size: int = 4
+    """rows per step"""
+    lr: float = 3e-3
+    """peak learning rate"""
+    target_layers: int = 8
+    """target decoder layers"""
+    target_hidden: int = 256
+    """target hidden size"""
+    target_intermediate: int = 704
+    """target MLP size"""
+    embed_std: float = 1.0
+    """std of the initial input embedding of both models (0 = library default, 0.02)"""
+    minutes_target: float = 60.0
+    """target training time, turned into a step count by timing a few steps"""
+    target_steps: int | None = None
+    """fixed target step count (overrides minutes_target)"""
+    assistant_layers: int = 1
+    """assistant decoder layers"""
+    assistant_hidden: int = 256
+    """assistant hidden size"""
+    assistant_intermediate: int = 704
+    """assistant MLP size"""
+    minutes_assistant: float = 5.0
+    """assistant training time"""
+    assistant_steps: int | None = None
+    """fixed assistant step count (overrides minutes_assistant)"""
+    n_prompts: int = 64
+    """held-out prompts written per split"""
+    eval_every_min: float = 5.0
+    """minutes between held-out evaluations during training"""
+
+    def __post_init__(self) -> None:
+        at_least(self, threads=1, vocab_size=2, seq_len=2, batch_size=1, target_layers=1, assistant_layers=1,
+                 target_steps=1, assistant_steps=1, n_prompts=1, embed_std=0.0)
 
 
 def plan_steps(name: str, model, rows, cfg: ref.TrainConfig, minutes: float, fixed: int | None,
@@ -67,7 +93,7 @@ def plan_steps(name: str, model, rows, cfg: ref.TrainConfig, minutes: float, fix
         return json.loads(plan.read_text())["steps"]
     step_s = ref.measure_step_time(model, rows, cfg)
     steps = max(20, int(minutes * 60 / step_s))
-    plan.write_text(json.dumps({"steps": steps, "measured_step_s": step_s, "minutes": minutes}) + "\n")
+    write_text(plan, json.dumps({"steps": steps, "measured_step_s": step_s, "minutes": minutes}) + "\n")
     print(f"[{name}] {step_s:.3f} s/step -> {steps} steps for {minutes} min")
     return steps
 
@@ -83,8 +109,8 @@ def build_one(name: str, spec: ref.ModelSpec, minutes: float, fixed_steps: int |
     if done.exists():  # built by an earlier run of this recipe with the same settings: keep it
         record = json.loads(done.read_text())
         if record["train_config"] == asdict(cfg) and record["model_spec"] == asdict(spec):
-            record["exact_command"] = _command({f"--{name}-steps": cfg.steps})
-            done.write_text(json.dumps(record, indent=1) + "\n")
+            record["exact_command"] = _command({f"{name}_steps": cfg.steps})
+            write_text(done, json.dumps(record, indent=1) + "\n")
             print(f"[{name}] already built (test loss {record['test_loss']}); delete {done} to rebuild")
             return record
     result = ref.train_lm(model, rows["train"], rows["tuning"], cfg, checkpoint=work / f"{name}.ckpt", desc=name)
@@ -96,11 +122,10 @@ def build_one(name: str, spec: ref.ModelSpec, minutes: float, fixed_steps: int |
     eval_s = time.perf_counter() - t0
     sample_prompts = [text for _, text in test_files[:4]]
     samples = ref.greedy_samples(shipped, tok, [p[:400].rsplit("\n", 1)[0] + "\n" for p in sample_prompts])
-    with open(out / name / "samples.txt", "w") as f:
-        for prompt, cont in zip(sample_prompts, samples, strict=True):
-            head = prompt[:400].rsplit("\n", 1)[0] + "\n"
-            f.write(f"===== prompt (test split) =====\n{head}===== greedy continuation (64 tokens) =====\n"
-                    f"{cont}\n\n")
+    write_text(out / name / "samples.txt", "".join(
+        f"===== prompt (test split) =====\n{prompt[:400].rsplit(chr(10), 1)[0]}\n"
+        f"===== greedy continuation (64 tokens) =====\n{cont}\n\n"
+        for prompt, cont in zip(sample_prompts, samples, strict=True)))
     record = {
         "model": name, "test_loss": round(test_loss, 4), "tuning_loss": round(tuning_loss, 4),
         "loss_unit": f"nats per token, mean over the split packed into {args.seq_len}-token rows",
@@ -110,9 +135,9 @@ def build_one(name: str, spec: ref.ModelSpec, minutes: float, fixed_steps: int |
         "model_spec": asdict(spec), "train_config": asdict(cfg), "torch_threads": args.threads,
         "python": sys.version, "torch": torch.__version__,
         "command": _command(),
-        "exact_command": _command({f"--{name}-steps": cfg.steps}),
+        "exact_command": _command({f"{name}_steps": cfg.steps}),
     }
-    (out / name / "eval.json").write_text(json.dumps(record, indent=1) + "\n")
+    write_text(out / name / "eval.json", json.dumps(record, indent=1) + "\n")
     print(f"[{name}] test loss {test_loss:.4f}  tuning loss {tuning_loss:.4f}  {result.tokens_per_s:.0f} tok/s "
           f"{result.wall_s / 60:.1f} min  {size / 1e6:.2f} MB")
     return record
@@ -120,19 +145,13 @@ def build_one(name: str, spec: ref.ModelSpec, minutes: float, fixed_steps: int |
 
 def _command(pinned: dict[str, int] | None = None) -> str:
     """This run's command line, optionally with step counts pinned (replacing any given)."""
-    argv, skip = [], False
-    for a in sys.argv[1:]:
-        if skip or (pinned and a.split("=")[0] in pinned):
-            skip = not skip and "=" not in a
-            continue
-        argv.append(a)
-    for k, v in (pinned or {}).items():
-        argv += [k, str(v)]
+    argv = [a for a in sys.argv[1:] if a.partition("=")[0] not in (pinned or {})]
+    argv += [f"{k}={v}" for k, v in (pinned or {}).items()]
     return "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *argv])
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
+    args = parse_cli(BuildConfig, sys.argv[1:] if argv is None else argv, prog="build_reference.py")
     torch.set_num_threads(args.threads)
     out, work = Path(args.out), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)
@@ -174,16 +193,14 @@ def main(argv=None) -> None:
     (out / "prompts").mkdir(exist_ok=True)
     for split in ("tuning", "test"):
         prompts = ref.extract_prompts(tok, files[split], n=args.n_prompts, seed=args.seed, prefix=f"{split}-")
-        with open(out / "prompts" / f"{split}.jsonl", "w") as f:
-            for row in prompts:
-                f.write(json.dumps(row) + "\n")
+        write_text(out / "prompts" / f"{split}.jsonl", "".join(json.dumps(row) + "\n" for row in prompts))
         print(f"prompts/{split}.jsonl: {len(prompts)} prompts")
     total = sum(ref.folder_bytes(out / r["model"]) for r in records)
     build = {"command": _command(),
-             "exact_command": _command({f"--{r['model']}-steps": r["train_config"]["steps"] for r in records}),
+             "exact_command": _command({f"{r['model']}_steps": r["train_config"]["steps"] for r in records}),
              "python": sys.version, "models_bytes": total,
              "test_loss": {r["model"]: r["test_loss"] for r in records}}
-    (out / "build.json").write_text(json.dumps(build, indent=1) + "\n")
+    write_text(out / "build.json", json.dumps(build, indent=1) + "\n")
     print(f"models on disk: {total / 1e6:.2f} MB (limit 25 MB)")
     print(f"exact rebuild: {build['exact_command']}")
 
