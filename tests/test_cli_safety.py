@@ -227,8 +227,6 @@ def test_help_shows_the_real_sampling_defaults(command, capsys):
     assert schema().sampling.temperature == 0.0 and schema().sampling.greedy
 
 
-@pytest.mark.xfail(strict=True, reason="utils/config.format_help prints a nested section's defaults from its class, "
-                                      "not from the field's default_factory")
 def test_help_shows_nested_defaults_of_the_factory(capsys):
     from eagle_tree.commands.quickstart import main
 

@@ -7,7 +7,8 @@ from typing import Literal
 import pytest
 import yaml
 
-from eagle_tree.utils.config import ConfigError, at_least, config_to_dict, load_config, parse_cli, save_config
+from eagle_tree.utils.checks import check_ranges
+from eagle_tree.utils.config import ConfigError, config_to_dict, load_config, parse_cli, save_config
 
 
 @dataclass
@@ -18,7 +19,7 @@ class Optim:
     betas: tuple[float, float] = (0.9, 0.95)
 
     def __post_init__(self):
-        at_least(self, steps=1)
+        check_ranges(self, steps=1)
 
 
 @dataclass
@@ -178,5 +179,5 @@ def test_help_lists_every_field(capsys):
 @pytest.mark.parametrize("override", ["train.steps=0", "train.steps=-5", "tuned.steps=0"])
 def test_out_of_range_values_name_their_key(override):
     key = override.partition("=")[0]
-    with pytest.raises(ConfigError, match=rf"config key '{key}' must be >= 1, got -?\d"):
+    with pytest.raises(ConfigError, match=rf"config key {key} must be an integer >= 1, got -?\d"):
         load_config(Experiment, None, ["model=m", override])

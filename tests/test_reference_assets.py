@@ -156,5 +156,5 @@ def test_build_recipe_takes_key_value_options():
     spec.loader.exec_module(recipe)
     cfg = load_config(recipe.BuildConfig, None, ["target_steps=3241", "embed_std=1.0", "out=/tmp/x"])
     assert (cfg.target_steps, cfg.embed_std, cfg.out) == (3241, 1.0, "/tmp/x")
-    with pytest.raises(ConfigError, match="config key 'batch_size' must be >= 1"):
+    with pytest.raises(ConfigError, match="config key batch_size must be an integer >= 1"):
         load_config(recipe.BuildConfig, None, ["batch_size=0"])

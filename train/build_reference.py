@@ -28,7 +28,8 @@ import torch
 from eagle_tree.reference import builder as ref
 from eagle_tree.reference import corpus
 from eagle_tree.utils.atomic import write_text
-from eagle_tree.utils.config import at_least, parse_cli
+from eagle_tree.utils.checks import check_ranges
+from eagle_tree.utils.config import parse_cli
 
 
 @dataclass
@@ -79,7 +80,7 @@ class BuildConfig:
     """minutes between held-out evaluations during training"""
 
     def __post_init__(self) -> None:
-        at_least(self, threads=1, vocab_size=2, seq_len=2, batch_size=1, target_layers=1, assistant_layers=1,
+        check_ranges(self, threads=1, vocab_size=2, seq_len=2, batch_size=1, target_layers=1, assistant_layers=1,
                  target_steps=1, assistant_steps=1, n_prompts=1, embed_std=0.0)
 
 

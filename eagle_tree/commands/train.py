@@ -16,14 +16,14 @@ def main(argv: list[str]) -> int:
     from eagle_tree.training.checkpoint import CheckpointWriteError
     from eagle_tree.training.config import TrainConfig
     from eagle_tree.training.data import DataError
-    from eagle_tree.training.loop import train
+    from eagle_tree.training.loop import TrainingDiverged, train
     from eagle_tree.training.rundir import RunFolderError
-    from eagle_tree.utils.finite import NonFiniteError
+    from eagle_tree.utils.checks import InputError
 
     cfg = parse_cli(TrainConfig, argv, prog="eagle-tree train")
     try:
         result = train(cfg)
-    except (RunFolderError, NonFiniteError, CheckpointWriteError, DataError, FileNotFoundError) as exc:
+    except (RunFolderError, TrainingDiverged, CheckpointWriteError, DataError, InputError, FileNotFoundError) as exc:
         print(f"eagle-tree train: error: {exc}", file=sys.stderr)
         return 1
     if result.world_size == 1 or _is_main():

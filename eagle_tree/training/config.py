@@ -7,7 +7,8 @@ from typing import Literal
 
 from eagle_tree.reference.toy import ToyConfig
 from eagle_tree.training.data import DataConfig
-from eagle_tree.utils.config import ConfigValueError, at_least
+from eagle_tree.utils.checks import check_ranges
+from eagle_tree.utils.config import ConfigValueError
 from eagle_tree.utils.tracking import WandbConfig
 
 __all__ = ["TargetSection", "ModelSection", "OptimSection", "ScheduleSection", "TTTSection", "FeatureSection",
@@ -44,7 +45,7 @@ class ModelSection:
     """seed of the head's initialisation"""
 
     def __post_init__(self) -> None:
-        at_least(self, seed=0)
+        check_ranges(self, seed=0)
 
 
 @dataclass
@@ -70,7 +71,7 @@ class OptimSection:
     lacks it (fp16 on CPU, bf16 on CPUs without bf16 instructions)"""
 
     def __post_init__(self) -> None:
-        at_least(self, lr=0.0, eps=0.0, weight_decay=0.0, grad_clip=0.0, batch_size=1, grad_accum=1)
+        check_ranges(self, lr=0.0, eps=0.0, weight_decay=0.0, grad_clip=0.0, batch_size=1, grad_accum=1)
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigValueError("betas", f"must lie in [0, 1), got {list(self.betas)}")
 
@@ -91,7 +92,7 @@ class ScheduleSection:
     """final learning rate as a fraction of lr"""
 
     def __post_init__(self) -> None:
-        at_least(self, max_steps=1, warmup_steps=0)
+        check_ranges(self, max_steps=1, warmup_steps=0)
         if self.epochs is not None and not self.epochs > 0:
             raise ConfigValueError("epochs", f"must be > 0 (or null), got {self.epochs!r}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -108,7 +109,7 @@ class TTTSection:
     """weight of step s is decay ** s"""
 
     def __post_init__(self) -> None:
-        at_least(self, steps=1)
+        check_ranges(self, steps=1)
         if not 0.0 < self.decay <= 1.0:
             raise ConfigValueError("decay", f"must lie in (0, 1], got {self.decay!r}")
 
@@ -126,7 +127,7 @@ class FeatureSection:
     """examples per safetensors shard"""
 
     def __post_init__(self) -> None:
-        at_least(self, examples_per_shard=1)
+        check_ranges(self, examples_per_shard=1)
 
 
 @dataclass
@@ -158,7 +159,7 @@ class EvalSection:
     """tree mode: nodes kept after the rerank"""
 
     def __post_init__(self) -> None:
-        at_least(self, every=0, num_prompts=1, max_prompt_tokens=1, max_new_tokens=1, chain_length=1, tree_depth=1,
+        check_ranges(self, every=0, num_prompts=1, max_prompt_tokens=1, max_new_tokens=1, chain_length=1, tree_depth=1,
                  tree_top_k=1, tree_total_tokens=1)
 
 
@@ -172,7 +173,7 @@ class CheckpointSection:
     """keep the newest N checkpoints (null: all)"""
 
     def __post_init__(self) -> None:
-        at_least(self, every=0, keep_last=1)
+        check_ranges(self, every=0, keep_last=1)
 
 
 @dataclass
@@ -220,7 +221,7 @@ class TrainConfig:
     """show a tqdm progress bar"""
 
     def __post_init__(self) -> None:
-        at_least(self, seed=0, threads=1, log_every=1)
+        check_ranges(self, seed=0, threads=1, log_every=1)
         if self.resume is not None and self.overwrite:
             raise ConfigValueError("overwrite", "cannot be combined with resume: resume continues the run in "
                                    "output_dir, overwrite deletes it")

@@ -52,7 +52,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from eagle_tree.utils.config import ConfigValueError, at_least
+from eagle_tree.utils.checks import check_ranges
+from eagle_tree.utils.config import ConfigValueError
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ class DataConfig:
     """datasets cache directory (None: HF default)"""
 
     def __post_init__(self) -> None:
-        at_least(self, max_length=1, limit=1, draft_vocab_size=1, num_proc=1)
+        check_ranges(self, max_length=1, limit=1, draft_vocab_size=1, num_proc=1)
         if not 0.0 <= self.max_missing_fraction <= 1.0:
             raise ConfigValueError("max_missing_fraction", f"must lie in [0, 1], got {self.max_missing_fraction!r}")
         if self.too_long not in ("truncate", "drop"):

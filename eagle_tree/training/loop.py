@@ -54,11 +54,15 @@ from eagle_tree.training.resolve import load_target, read_prompts, resolve_data
 from eagle_tree.training.rundir import RunLock, claim_output_dir, resume_changes
 from eagle_tree.training.stream import DataStream, batch_targets
 from eagle_tree.utils.atomic import write_text
-from eagle_tree.utils.finite import NonFiniteError, nonfinite_tensors
+from eagle_tree.utils.checks import nonfinite_weights
 from eagle_tree.utils.optim import adamw, lambda_schedule
 from eagle_tree.utils.tracking import WandbConfig
 
-__all__ = ["TrainResult", "train", "resolve_mixed_precision", "TTTLoss"]
+__all__ = ["TrainResult", "TrainingDiverged", "train", "resolve_mixed_precision", "TTTLoss"]
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the weights became NaN or infinite; the message names the step and the last good checkpoint."""
 
 
 @dataclass
@@ -344,7 +348,7 @@ class _Run:
     def _check_finite(self, losses: list[torch.Tensor]) -> None:
         """Stop at the first step whose loss or updated weights are not finite (on any rank)."""
         loss_ok = bool(torch.isfinite(torch.stack([loss.detach().float() for loss in losses])).all())
-        bad = [] if not loss_ok else nonfinite_tensors(self.draft)
+        bad = [] if not loss_ok else nonfinite_weights(self.draft)
         flag = torch.tensor(float(not loss_ok or bool(bad)), device=self.acc.device)
         if self.world > 1:
             flag = self.acc.reduce(flag, reduction="sum")
@@ -355,7 +359,7 @@ class _Run:
             what = "another process saw a non-finite loss or weights"
         last = latest_checkpoint(self.out_dir)
         kept = f"the last good checkpoint is {last}" if last is not None else "no checkpoint was written yet"
-        raise NonFiniteError(
+        raise TrainingDiverged(
             f"training diverged at step {self.step}: {what}; stopped without saving this step ({kept}). "
             "Lower optim.lr, raise schedule.warmup_steps or set optim.grad_clip, then start again or resume "
             "from an earlier checkpoint (resume=CHECKPOINT)")

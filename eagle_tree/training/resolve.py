@@ -4,7 +4,6 @@ held-out prompts ('toy' builds or reuses the toy target; 'stdlib:...' writes cor
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import torch
@@ -13,7 +12,7 @@ from eagle_tree.reference.corpus import split_jsonl
 from eagle_tree.training.config import TrainConfig
 from eagle_tree.training.data import DataConfig
 
-__all__ = ["TargetPathError", "load_target", "check_target_path", "resolve_data", "read_prompts"]
+__all__ = ["load_target", "resolve_data", "read_prompts"]
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -30,41 +29,17 @@ def load_target(cfg: TrainConfig):
     from transformers import AutoTokenizer
 
     from eagle_tree.models.target import TargetModel
+    from eagle_tree.utils.checks import check_target_path
 
-    path = str(_toy_assets(cfg).target) if cfg.target.path == "toy" else check_target_path(cfg.target.path)
+    if cfg.target.path != "toy":
+        check_target_path(cfg.target.path, "target.path")
+    path = str(_toy_assets(cfg).target) if cfg.target.path == "toy" else cfg.target.path
     target = TargetModel.from_pretrained(path, dtype=_DTYPES[cfg.target.dtype],
                                          feature_layers=cfg.target.feature_layers,
                                          attn_implementation=cfg.target.attn_implementation)
     for p in target.model.parameters():
         p.requires_grad_(False)
     return target, AutoTokenizer.from_pretrained(path)
-
-
-class TargetPathError(FileNotFoundError):
-    """``target.path`` names no target model (a missing folder, a file, a draft head's folder)."""
-
-
-def check_target_path(path: str) -> str:
-    """``path`` if it can name a target model: an existing model folder, or a hub id ``org/name``. A local
-    path that does not exist, or a draft head's folder, is refused with the fix."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        looks_local = p.is_absolute() or path.startswith((".", "~")) or path.count("/") > 1 or path.endswith("/")
-        if looks_local:
-            raise TargetPathError(f"target.path: no folder {path!r}; give a local model folder (config.json, "
-                                    "weights, tokenizer) or a hub id such as org/name")
-        return path
-    if not p.is_dir():
-        raise TargetPathError(f"target.path: {path!r} is a file; give the model's folder")
-    config = p / "config.json"
-    meta = json.loads(config.read_text()) if config.is_file() else {}
-    if "draft_vocab_size" in meta or any("eagle" in str(a).lower() for a in meta.get("architectures", [])):
-        raise TargetPathError(f"target.path: {path!r} holds a draft head, not a target model; give the target model's "
-                         "folder as target.path (and the head as model.init_from to start from it)")
-    if not config.is_file():
-        raise TargetPathError(f"target.path: {path!r} holds no config.json; give a model folder saved with "
-                                "save_pretrained (config.json, weights, tokenizer)")
-    return path
 
 
 def resolve_data(cfg: TrainConfig) -> DataConfig:

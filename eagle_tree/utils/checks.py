@@ -10,27 +10,41 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["InputError", "check_range", "check_finite_weights", "check_target_path"]
+from eagle_tree.utils.config import ConfigValueError
+
+__all__ = ["InputError", "check_range", "check_ranges", "check_finite_weights", "nonfinite_weights",
+           "check_target_path"]
 
 
 class InputError(ValueError):
     """An input (path, file, model, value) the user must change; the message says how."""
 
 
-def check_range(name: str, value, low: int, allow_none: bool = False, meaning: str = "") -> None:
-    """A config value that must be an integer >= ``low`` (or None when ``allow_none``; ``meaning`` says
-    what None means). Raises ValueError naming the key, for a schema's ``__post_init__`` (``parse_cli``
-    reports it as a config error)."""
+def check_range(name: str, value, low: float, allow_none: bool = False, meaning: str = "",
+                integer: bool = True) -> None:
+    """A config value that must be an integer (or, with ``integer=False``, a number) >= ``low`` (or None
+    when ``allow_none``; ``meaning`` says what None means). Raises a ValueError naming the key, for a
+    schema's ``__post_init__`` (``parse_cli`` reports it with the key's dotted path)."""
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or value < low:
         alternative = " or null" + (f" ({meaning})" if meaning else "") if allow_none else ""
-        raise ValueError(f"{name} must be an integer >= {low}{alternative}, got {value!r}")
+        what = "an integer" if integer else "a number"
+        raise ConfigValueError(name, f"must be {what} >= {low}{alternative}, got {value!r}")
 
 
-def check_finite_weights(module_or_state: torch.nn.Module | dict, what: str) -> None:
-    """Refuse a model (or state dict) with a NaN or infinite weight: ``what`` names it in the error,
-    with the tensors concerned. Such a head comes from a training that diverged."""
+def check_ranges(cfg, **lows: float) -> None:
+    """:func:`check_range` for several fields of ``cfg`` at once: an int bound asks for an integer, a float
+    bound for a number; None passes (the schema's types say where None is allowed)."""
+    for name, low in lows.items():
+        value = getattr(cfg, name)
+        if value is not None:
+            check_range(name, value, low, integer=not isinstance(low, float))
+
+
+def nonfinite_weights(module_or_state: torch.nn.Module | dict) -> list[str]:
+    """Names of the floating-point parameters and buffers (or state-dict entries) holding a NaN or an infinity."""
     import torch
 
     if isinstance(module_or_state, torch.nn.Module):
@@ -38,8 +52,14 @@ def check_finite_weights(module_or_state: torch.nn.Module | dict, what: str) -> 
         tensors |= {k: v for k, v in module_or_state.named_buffers() if k not in tensors}
     else:
         tensors = module_or_state
-    bad = [name for name, t in tensors.items()
-           if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    return [name for name, t in tensors.items()
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def check_finite_weights(module_or_state: torch.nn.Module | dict, what: str) -> None:
+    """Refuse a model (or state dict) with a NaN or infinite weight: ``what`` names it in the error,
+    with the tensors concerned. Such a head comes from a training that diverged."""
+    bad = nonfinite_weights(module_or_state)
     if bad:
         shown = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
         raise InputError(f"{what} has non-finite (NaN or infinite) weights in {shown}: it comes from a training "

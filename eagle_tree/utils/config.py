@@ -14,7 +14,8 @@ calls :func:`parse_cli`::
 
 A field's help text (shown by ``--help``) is its attribute docstring: a string literal on the line
 after the field (the one convention for every config of eagle_tree). Value ranges are checked in the
-dataclass's ``__post_init__`` with :func:`at_least` or :class:`ConfigValueError`, which name the key.
+dataclass's ``__post_init__`` (``eagle_tree.utils.checks.check_range``), raising :class:`ConfigValueError`, which
+the parser reports with the key's dotted path.
 Values are checked against the annotations (int, float, bool, str, Path, ``X | None``, ``list[X]``,
 ``tuple[...]``, ``dict[str, X]``, ``Literal``, nested dataclasses); unknown keys are errors with a
 suggestion. The resolved config is written with :func:`save_config` beside every checkpoint and result.
@@ -37,7 +38,7 @@ import yaml
 
 T = TypeVar("T")
 
-__all__ = ["ConfigError", "ConfigValueError", "at_least", "load_config", "config_to_dict", "save_config",
+__all__ = ["ConfigError", "ConfigValueError", "load_config", "config_to_dict", "save_config",
            "parse_cli", "format_help"]
 
 
@@ -51,14 +52,6 @@ class ConfigValueError(ValueError):
     def __init__(self, key: str, problem: str):
         super().__init__(f"{key} {problem}")
         self.key, self.problem = key, problem
-
-
-def at_least(cfg: Any, **minimums: float) -> None:
-    """Raise ConfigValueError for the first field of ``cfg`` below its minimum (None values are skipped)."""
-    for name, minimum in minimums.items():
-        value = getattr(cfg, name)
-        if value is not None and value < minimum:
-            raise ConfigValueError(name, f"must be >= {minimum}, got {value!r}")
 
 
 def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
@@ -236,7 +229,7 @@ def _build(cls: type[T], data: Any, prefix: tuple[str, ...], where: str) -> T:
         return cls(**kwargs)
     except ConfigValueError as exc:
         key = ".".join((*prefix, exc.key))
-        raise ConfigError(f"config key {key!r} {exc.problem}{where}") from exc
+        raise ConfigError(f"config key {key} {exc.problem}{where}") from exc
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"invalid {dotted}: {exc}") from exc
 
