@@ -143,3 +143,12 @@ def test_conversations_need_a_chat_template(model_and_tok):
     tok = make_tokenizer("char", template=None)
     with pytest.raises(ValueError, match="chat_template"):
         make_jobs([{"conversations": [{"role": "user", "content": "x"}]}], tok, RegenerateConfig())
+
+
+@pytest.mark.parametrize("output", ["folder", "out.json"])
+def test_output_must_be_a_jsonl_file(tmp_path, model_and_tok, output):
+    model, tok = model_and_tok
+    (tmp_path / "folder").mkdir()
+    cfg = RegenerateConfig(data=_write(tmp_path / "in.jsonl", [{"text": "abc"}]), output=str(tmp_path / output))
+    with pytest.raises(ValueError, match="must name a .jsonl file"):
+        regenerate(cfg, model=model, tokenizer=tok, progress=False)

@@ -181,6 +181,10 @@ def regenerate(cfg: RegenerateConfig, model=None, tokenizer=None, progress: bool
     """Run the whole job; returns counts. ``model`` / ``tokenizer`` default to loading ``cfg.target``."""
     from tqdm.auto import tqdm
 
+    out = Path(cfg.output)
+    if out.is_dir() or out.suffix != ".jsonl":
+        raise ValueError(f"output={cfg.output} must name a .jsonl file (a folder or another suffix is refused "
+                         "before any row is generated)")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if model is None or tokenizer is None:
@@ -188,7 +192,6 @@ def regenerate(cfg: RegenerateConfig, model=None, tokenizer=None, progress: bool
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.target)
         model = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=getattr(torch, cfg.dtype)).eval()
-    out = Path(cfg.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")
     jobs = make_jobs(read_rows(cfg.data, cfg.limit, cfg.chunk_chars, cfg.every), tokenizer, cfg)
