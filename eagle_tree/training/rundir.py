@@ -121,10 +121,12 @@ def claim_output_dir(cfg, resume_from: Path | None) -> RunIdentity:
     elif _holds_a_run(out_dir):
         who = f"run {old.run_id} (started {old.started})" if old else "an earlier run"
         if not getattr(cfg, "overwrite", False):
+            hint = ("it has no checkpoint to resume from" if cfg.resume is not None
+                    else "continue it with resume=latest")
             raise RunFolderError(
-                f"output_dir {out_dir} holds the checkpoints or final head of {who}. Continue it with "
-                "resume=latest, choose another output_dir, or pass overwrite=true to delete that run's "
-                "checkpoints, final head and summary and start a new run there")
+                f"output_dir {out_dir} holds the checkpoints or final head of {who}: {hint}, choose another "
+                "output_dir, or pass overwrite=true to delete that run's checkpoints, final head and summary and "
+                "start a new run there")
         for name in WRITTEN:
             path = out_dir / name
             if path.is_dir():
