@@ -22,6 +22,7 @@ import torch
 from eagle_tree.core.sampling import SamplingConfig, processed_probs
 from eagle_tree.core.tree import Tree
 from eagle_tree.core.verify import sample_token, verify_tree
+from eagle_tree.decoding.context import ContextDrafter
 from eagle_tree.decoding.drafting import Drafter, Proposal, TreeConfig
 from eagle_tree.models.target import TargetModel
 
@@ -87,6 +88,8 @@ class SpeculativeDecoder:
         self.target = target if isinstance(target, TargetModel) else TargetModel(target, feature_layers=layers)
         self.draft = draft
         self.tree = tree or TreeConfig()
+        if drafter is None and self.tree.context is not None:  # context branches; no head: context only
+            drafter = ContextDrafter(Drafter(draft, self.tree) if draft is not None else None, self.tree.context)
         if draft is not None:
             draft.bind_target(self.target)
             draft.eval()
