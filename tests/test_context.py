@@ -12,9 +12,23 @@ from eagle_tree.core.tree import Tree
 from eagle_tree.core.verify import VerifyRule, verify_tree
 from eagle_tree.decoding.context import ContextConfig, ContextDrafter, ContextIndex, merge_context
 from eagle_tree.decoding.decoder import SpeculativeDecoder
-from eagle_tree.decoding.drafting import Drafter, TreeConfig
+from eagle_tree.decoding.drafting import Drafter, Proposal, TreeConfig
 from tests.exact_reference import check_mixed, dist
-from tests.test_decoder_exactness import PROMPT, _head, _reference, _target
+from tests.test_decoder_exactness import (
+    ALPHA,
+    N_SEEDS,
+    PROMPT,
+    SV,
+    T1,
+    PerturbedDrafter,
+    _chi2_pvalue,
+    _draw,
+    _exact_laws,
+    _head,
+    _reference,
+    _sampling_target,
+    _target,
+)
 
 GREEDY = SamplingConfig(temperature=0.0)
 
@@ -209,3 +223,79 @@ def test_empty_context_proposals_leave_sampled_decoding_unchanged():
         b = wrapped.generate(torch.tensor([PROMPT]), 12, sampling=t1, seed=seed)
         assert a.sequences.tolist() == b.sequences.tolist()
         assert a.acceptance_lengths == b.acceptance_lengths
+
+
+# ------------------------------------------------------------------------ sampling, model level
+#
+# The tiny 16-token target of test_decoder_exactness.py; the prompt holds every token once, so the
+# first generated token x1 has always occurred and the context proposes what followed it. The head
+# is a PerturbedDrafter drawing without replacement (Gumbel-top-k) from noisy target logits.
+
+CPROMPT = (0, *range(SV))
+
+
+class _Favourite:
+    """An index stand-in proposing the head's most likely root token, then the next prompt token:
+    a point mass the head draws again most of the time (so phantoms are frequent)."""
+
+    def __init__(self, head: PerturbedDrafter):
+        self.head = head
+
+    def extend(self, tokens) -> None:
+        pass
+
+    def continuations(self, lookup_tokens: int, branches: int = 1) -> list[list[int]]:
+        new = tuple(self.head.committed[len(self.head.prompt) :])
+        top = int(self.head._logits(new).argmax())
+        return [[top, (top + 1) % SV][:lookup_tokens]]
+
+
+class _ContextDrafter(ContextDrafter):
+    """The real wrapper, with a known-wrong variant of the merged tree for the negative controls:
+    ``wrong="context_as_q"`` gives the verifier no point-mass flags (every child verified as drawn
+    from q) and no phantoms; ``wrong="drop_phantoms"`` keeps the flags and drops the phantoms."""
+
+    def __init__(self, inner, config, favourite: bool = False, wrong: str | None = None):
+        self.favourite, self.wrong, self.phantoms = favourite, wrong, 0
+        super().__init__(inner, config)
+
+    def reset(self) -> None:
+        super().reset()
+        if self.favourite:
+            self.index = _Favourite(self.inner)
+
+    def propose(self, sampling, generator=None) -> Proposal:
+        prop = super().propose(sampling, generator)
+        t = prop.tree
+        self.phantoms += len(t.phantoms)
+        if self.wrong is not None:
+            pm = None if self.wrong == "context_as_q" else t.point_mass
+            t = Tree(t.parents, t.tokens, point_mass=pm)
+        return Proposal(t, prop.draft_probs, prop.rule)
+
+
+def _context_decoder(favourite: bool = False, wrong: str | None = None, width=(3, 2), lookup: int = 2):
+    head = PerturbedDrafter("without_replacement", width, prompt=CPROMPT)
+    drafter = _ContextDrafter(head, ContextConfig(lookup_tokens=lookup), favourite=favourite, wrong=wrong)
+    return SpeculativeDecoder(_sampling_target(), drafter=drafter)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("favourite", [False, True], ids=["index", "favourite"])
+def test_sampled_output_with_context_follows_the_target_law(favourite):
+    dec = _context_decoder(favourite)
+    c12, c23, accepted = _draw(dec, T1, depth2=True, prompt=CPROMPT)
+    joint12, joint23 = _exact_laws(T1, CPROMPT)
+    assert _chi2_pvalue(c12, joint12) > ALPHA
+    assert _chi2_pvalue(c23, joint23) > ALPHA
+    assert sum(a >= 2 for a in accepted) > 0.03 * N_SEEDS
+    assert dec.drafter.phantoms > (0.3 * N_SEEDS if favourite else 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrong", ["context_as_q", "drop_phantoms"])
+def test_negative_controls_for_context_children_are_caught(wrong):
+    """One context token at the root, beside three drawn children (which often repeat it)."""
+    dec = _context_decoder(favourite=True, wrong=wrong, width=(3,), lookup=1)
+    c12, _, _ = _draw(dec, T1, depth2=False, prompt=CPROMPT)
+    assert _chi2_pvalue(c12, _exact_laws(T1, CPROMPT)[0]) < ALPHA

@@ -115,7 +115,7 @@ class ContextIndex:
 # ------------------------------------------------------------------------------------- the merge
 
 
-def merge_context(tree: Tree, draft_probs: torch.Tensor | None, rule: VerifyRule, branches: list[list[int]],
+def merge_context(tree: Tree, draft_probs: torch.Tensor | None, rule: VerifyRule | str, branches: list[list[int]],
                   first: str = "context") -> tuple[Tree, torch.Tensor | None]:
     """Merge context ``branches`` (token lists below the root) into a head ``tree`` as a trie.
 
@@ -129,7 +129,7 @@ def merge_context(tree: Tree, draft_probs: torch.Tensor | None, rule: VerifyRule
     """
     if not branches:
         return tree, draft_probs
-    sampled = rule.needs_draft_probs
+    sampled = VerifyRule.of(rule).needs_draft_probs
     trie: dict = {}
     for branch in branches:
         level = trie
