@@ -24,6 +24,7 @@ from eagle_tree.core.tree import Tree
 from eagle_tree.core.verify import sample_token, verify_tree
 from eagle_tree.decoding.context import ContextDrafter
 from eagle_tree.decoding.drafting import Drafter, Proposal, TreeConfig
+from eagle_tree.decoding.shapes import load_decoding_defaults
 from eagle_tree.models.target import TargetModel
 
 
@@ -87,7 +88,14 @@ class SpeculativeDecoder:
         layers = None if draft is None else draft.config.feature_layers
         self.target = target if isinstance(target, TargetModel) else TargetModel(target, feature_layers=layers)
         self.draft = draft
-        self.tree = tree or TreeConfig()
+        # without tree=, the head folder's decoding.json (greedy and sampling shapes), else TreeConfig()
+        self.defaults = {} if tree is not None or drafter is not None else load_decoding_defaults(
+            getattr(draft, "pretrained_path", None))
+        self._build(tree or self.defaults.get("greedy") or TreeConfig(), drafter)
+
+    def _build(self, tree: TreeConfig, drafter=None) -> None:
+        self.tree = tree
+        draft = self.draft
         if drafter is None and self.tree.context is not None:  # context branches; no head: context only
             drafter = ContextDrafter(Drafter(draft, self.tree) if draft is not None else None, self.tree.context)
         if draft is not None:
@@ -106,6 +114,9 @@ class SpeculativeDecoder:
         eos_token_id: int | list[int] | None = None,
     ) -> GenerateOutput:
         sampling = sampling or SamplingConfig(temperature=0.0)
+        default = self.defaults.get("greedy" if sampling.greedy else "sampling")
+        if default is not None and default != self.tree:  # the head folder's shape for this kind of decoding
+            self._build(default)
         input_ids = torch.as_tensor(input_ids).long()
         if input_ids.dim() == 1:
             input_ids = input_ids[None]

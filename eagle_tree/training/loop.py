@@ -395,6 +395,16 @@ def read_prompts(cfg: TrainConfig) -> list[str]:
 
 
 @torch.no_grad()
+def _save_untuned_decoding_defaults(folder: Path, ev: EvalSection) -> None:
+    """decoding.json beside the final head: the evaluation's tree shape, marked untuned (the bench's
+    tuning with head_defaults=true replaces it with measured shapes)."""
+    from eagle_tree.decoding.drafting import TreeConfig
+    from eagle_tree.decoding.shapes import save_decoding_defaults
+
+    tree = TreeConfig(depth=ev.tree_depth, top_k=ev.tree_top_k, total_tokens=ev.tree_total_tokens)
+    save_decoding_defaults(folder, tree, greedy=True, by="training", tuned=False)
+
+
 def evaluate_acceptance(target, draft, prompt_ids: list[torch.Tensor], ev: EvalSection,
                         eos_token_id: int | None = None) -> dict:
     """Greedy decoding of every prompt in chain and tree mode: acceptance length (committed tokens per
@@ -793,6 +803,7 @@ class _Run:
         if self.main:
             _full_head(self.draft, weights).save_pretrained(final_dir)
             save_config(self.cfg, final_dir / CONFIG_NAME)
+            _save_untuned_decoding_defaults(final_dir, self.cfg.eval)
             summary = {"steps": self.step, "tokens": self.tokens, "wall_s": round(wall, 2), "world_size": self.world,
                        "tokens_per_rank": tokens_per_rank, "mixed_precision": self.precision,
                        "final_metrics": self.metrics, "evals": self.evals, "final_dir": str(final_dir)}
