@@ -128,3 +128,15 @@ def test_ooc_bench_configs_load():
         assert cfg.sampling.temperature == temperature
         assert cfg.test_prompts == "assets/ooc/prompts.jsonl" and cfg.contexts
         assert {"context", "hf_prompt_lookup", "hf_generate", "chain", "head_defaults"} <= set(cfg.methods)
+
+
+def test_ooc_prompts_load_and_are_separate():
+    from eagle_tree.commands.decode import read_prompts
+
+    test, tuning = read_prompts(ROOT / "assets/ooc/prompts.jsonl"), read_prompts(ROOT / "assets/ooc/tuning.jsonl")
+    assert len(test) == 16 and len(tuning) == 8 and not set(test) & set(tuning)
+    rows = [json.loads(line) for line in (ROOT / "assets/ooc/prompts.jsonl").read_text().splitlines()]
+    build = json.loads((ROOT / "assets/ooc/build.json").read_text())
+    assert {r["file"] for r in rows} <= set(build["test_files"])
+    assert not set(build["test_files"]) & set(build["tuning_files"])
+    assert all(128 <= r["n_tokens"] <= 300 for r in rows)
