@@ -140,3 +140,12 @@ def test_ooc_prompts_load_and_are_separate():
     assert {r["file"] for r in rows} <= set(build["test_files"])
     assert not set(build["test_files"]) & set(build["tuning_files"])
     assert all(128 <= r["n_tokens"] <= 300 for r in rows)
+
+
+def test_training_writes_untuned_defaults_beside_the_final_head(tmp_path):
+    from eagle_tree.training.loop import EvalSection, _save_untuned_decoding_defaults
+
+    _save_untuned_decoding_defaults(tmp_path, EvalSection(tree_depth=3, tree_top_k=2, tree_total_tokens=5))
+    data = json.loads((tmp_path / "decoding.json").read_text())
+    assert data["greedy"]["source"] == {"by": "training", "tuned": False}
+    assert load_decoding_defaults(tmp_path)["sampling"] == TreeConfig(depth=3, top_k=2, total_tokens=5)
