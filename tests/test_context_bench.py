@@ -131,7 +131,7 @@ def test_ooc_bench_configs_load():
 
 
 def test_ooc_prompts_load_and_are_separate():
-    from eagle_tree.commands.decode import read_prompts
+    from eagle_tree.utils.prompts import read_prompts
 
     test, tuning = read_prompts(ROOT / "assets/ooc/prompts.jsonl"), read_prompts(ROOT / "assets/ooc/tuning.jsonl")
     assert len(test) == 16 and len(tuning) == 8 and not set(test) & set(tuning)
