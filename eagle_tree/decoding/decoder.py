@@ -79,6 +79,9 @@ class GenerateOutput:
 class SpeculativeDecoder:
     """Speculative decoding of ``target`` with an EAGLE-3 ``draft`` head (None: plain decoding).
 
+    ``tree``: the draft shape; without it, the shapes in the head folder's ``decoding.json`` (one for
+    greedy decoding, one for sampling; decoding/shapes.py), else ``TreeConfig()``. ``tree.context``
+    adds context branches (decoding/context.py); with no head they draft alone.
     ``drafter`` replaces the head-driven Drafter with any object offering ``reset()``,
     ``catch_up(features, next_tokens)`` and ``propose(sampling, generator) -> Proposal`` (tests use
     this to force acceptance patterns).
