@@ -21,6 +21,7 @@ _LAZY = {
     "Eagle3DraftModel": "models.head",
     "Eagle3Config": "models.head_config",
     "TreeConfig": "decoding.drafting",
+    "ContextConfig": "decoding.context",
     "SpeculativeDecoder": "decoding.decoder",
     "GenerateOutput": "decoding.decoder",
     "RoundStats": "decoding.decoder",

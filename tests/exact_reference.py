@@ -476,3 +476,146 @@ def _emitted_law_per_path(kind: str, shape, target: DistFn, n_emit: int, token_f
             for seq, pr in target_law(target, n_emit - len(emitted), False, emitted).items():
                 out[emitted + seq] += prob * pr
     return dict(out)
+
+
+# ----------------------------------------------------------------------------- mixed nodes
+#
+# A node whose children come from two proposers: point masses copied from the context beside
+# children from the head (drawn from q, or the head's top-k). EXACTNESS.md, "Mixed nodes".
+
+
+@dataclass(frozen=True)
+class MixedRules:
+    """The correct mixed-node rule by default; each flag is a known wrong variant.
+
+    context_as_q: the context child is verified as if drawn from q (Q_k = q with the earlier drawn
+        siblings removed, and removed from q after it) instead of as a point mass.
+    drop_drawn_duplicates: a drawn child that repeats a context token checked before it is dropped
+        (not checked, no residual update).
+    keep_point_mass_duplicates: a context child that repeats a head child checked before it is kept
+        and checked (harmless: not a wrong rule, shown to change nothing).
+    """
+
+    context_as_q: bool = False
+    drop_drawn_duplicates: bool = False
+    keep_point_mass_duplicates: bool = False
+
+
+MIXED_CORRECT = MixedRules()
+MIXED_CONTROLS = {
+    "context_as_q": MixedRules(context_as_q=True),
+    "drop_drawn_duplicates": MixedRules(drop_drawn_duplicates=True),
+}
+
+
+def mixed_checks(context: Sequence[int], head: Sequence[int], kind: str, first: str,
+                 rules: MixedRules = MIXED_CORRECT) -> list[tuple[int, bool]]:
+    """The acceptance tests at a mixed node, in order: (token, drawn from q?).
+
+    context: the context tokens (distinct, point masses); head: the head's children in proposal
+    order (drawn from q for the sampled kinds, point masses for "deterministic"). A context token
+    that repeats an earlier head child is a point-mass duplicate: dropped (it changes nothing). A
+    head child that repeats an earlier context token is checked in its place if it was drawn, and
+    dropped if it is a point mass."""
+    drawn = kind in SAMPLED
+    ctx = [(t, rules.context_as_q, "context") for t in context]
+    hd = [(t, drawn, "head") for t in head]
+    checks: list[tuple[int, bool]] = []
+    seen: dict[int, str] = {}  # token -> the proposer of its first test
+    for t, is_drawn, source in (ctx + hd if first == "context" else hd + ctx):
+        if t in seen:
+            if not is_drawn and not rules.keep_point_mass_duplicates:
+                continue  # a point-mass duplicate: r(t) is zero already
+            if is_drawn and source == "head" and seen[t] == "context" and rules.drop_drawn_duplicates:
+                continue
+        seen.setdefault(t, source)
+        checks.append((t, is_drawn))
+    return checks
+
+
+def check_mixed(checks: Sequence[tuple[int, bool]], p: Dist, q: Dist | None, kind: str
+                ) -> list[tuple[Fraction, int | None, Dist]]:
+    """Exact outcomes of the tests ``checks`` at one node, each with its own law Q_k: a point mass,
+    or q (with the earlier drawn tests removed for "without_replacement"). Same output as
+    ``check_children``: ``[(probability, index of the accepted test or None, correction law)]``."""
+    vocab = len(p)
+    outcomes: list[tuple[Fraction, int | None, Dist]] = []
+    reach, r = ONE, p
+    remaining = None if q is None else list(q)
+    for i, (x, drawn) in enumerate(checks):
+        if drawn:
+            law = normalise(remaining) if kind == "without_replacement" else q
+            if law is None:
+                law = tuple(ZERO for _ in range(vocab))
+        else:
+            law = point_mass(x, vocab)
+        accept = ONE if law[x] == 0 else min(ONE, r[x] / law[x])  # q(x) = 0 only for a wrong rule
+        if accept > 0:
+            outcomes.append((reach * accept, i, ()))
+        reach *= 1 - accept
+        if reach == 0:
+            return outcomes
+        r = positive_part(r, law)
+        assert r is not None, "residual mass zero although rejection had positive probability"
+        if drawn and kind == "without_replacement":
+            remaining[x] = ZERO
+    outcomes.append((reach, None, r))
+    return outcomes
+
+
+def mixed_emitted_law(
+    kind: str,
+    target: DistFn,
+    draft: DistFn,
+    context: Callable[[Prefix], Sequence[int]],
+    width: Callable[[Prefix], int],
+    depth: int,
+    n_emit: int = 2,
+    first: str = "context",
+    rules: MixedRules = MIXED_CORRECT,
+) -> dict[tuple[int, ...], Fraction]:
+    """Exact law of the first ``n_emit`` emitted tokens when every node down to ``depth`` gets the
+    context tokens ``context(prefix)`` (point masses) and ``width(prefix)`` head children (drawn
+    from ``draft(prefix)`` by ``kind``, or its top tokens for "deterministic"), merged as a trie,
+    verified by ``mixed_checks`` / ``check_mixed``, then the target continues alone."""
+    if kind not in ("deterministic", *SAMPLED):
+        raise ValueError(kind)
+
+    @cache
+    def fresh(prefix: Prefix, need: int) -> dict:
+        return target_law(target, need, False, prefix)
+
+    @cache
+    def walk(prefix: Prefix, level: int, need: int) -> dict:
+        out: dict = defaultdict(Fraction)
+        if need == 0:
+            return {(): ONE}
+        p = target(prefix)
+        ctx = list(context(prefix)) if level < depth else []
+        k = width(prefix) if level < depth else 0
+        q = draft(prefix)
+        if kind == "deterministic":
+            heads = [(tuple(top_tokens(q, k)), ONE)]
+        else:
+            heads = draft_outcomes(q, k, kind) if k else [((), ONE)]
+        for head, pr_draft in heads:
+            checks = mixed_checks(ctx, head, kind, first, rules)
+            if not checks:  # an accepted leaf: the bonus token
+                for y, py in enumerate(p):
+                    if py:
+                        for seq, pr in fresh(prefix + (y,), need - 1).items():
+                            out[(y,) + seq] += pr_draft * py * pr
+                continue
+            for pr, i, law in check_mixed(checks, p, q, kind):
+                if i is None:
+                    for y, py in enumerate(law):
+                        if py:
+                            for seq, ps in fresh(prefix + (y,), need - 1).items():
+                                out[(y,) + seq] += pr_draft * pr * py * ps
+                else:
+                    y = checks[i][0]
+                    for seq, ps in walk(prefix + (y,), level + 1, need - 1).items():
+                        out[(y,) + seq] += pr_draft * pr * ps
+        return dict(out)
+
+    return walk((), 0, n_emit)

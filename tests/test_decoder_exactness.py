@@ -308,24 +308,25 @@ def _sampling_target() -> TargetModel:
 
 
 @functools.cache
-def _raw_logits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Raw target logits after SPROMPT (V,), SPROMPT + x1 (V, V) and SPROMPT + x1 x2 (V, V, V), from
+def _raw_logits(prompt: tuple[int, ...] = tuple(SPROMPT)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raw target logits after prompt (V,), prompt + x1 (V, V) and prompt + x1 x2 (V, V, V), from
     cache-free batched forwards."""
     model = _sampling_target().model
     x = torch.arange(SV)
-    one = torch.cat([torch.tensor(SPROMPT).expand(SV, -1), x[:, None]], 1)  # (V, P + 1)
-    two = torch.cat([torch.tensor(SPROMPT).expand(SV * SV, -1), x.repeat_interleave(SV)[:, None],
+    one = torch.cat([torch.tensor(prompt).expand(SV, -1), x[:, None]], 1)  # (V, P + 1)
+    two = torch.cat([torch.tensor(prompt).expand(SV * SV, -1), x.repeat_interleave(SV)[:, None],
                      x.repeat(SV)[:, None]], 1)  # (V * V, P + 2): row a * V + b holds x1 = a, x2 = b
     with torch.no_grad():
-        l0 = model(torch.tensor([SPROMPT]), use_cache=False).logits[0, -1]
+        l0 = model(torch.tensor([prompt]), use_cache=False).logits[0, -1]
         l1 = model(one, use_cache=False).logits[:, -1]
         l2 = model(two, use_cache=False).logits[:, -1].view(SV, SV, SV)
     return l0.float(), l1.float(), l2.float()
 
 
-def _exact_laws(sampling: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's law of (x1, x2) and of (x2, x3), float64, from processed_probs."""
-    l0, l1, l2 = _raw_logits()
+def _exact_laws(sampling: SamplingConfig,
+                prompt: tuple[int, ...] = tuple(SPROMPT)) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's law of (x1, x2) and of (x2, x3) after prompt, float64, from processed_probs."""
+    l0, l1, l2 = _raw_logits(prompt)
     p0, p1, p2 = (processed_probs(lg, sampling).double() for lg in (l0, l1, l2))
     joint12 = p0[:, None] * p1  # p(x1) p(x2 | x1)
     joint23 = torch.einsum("a,ab,abc->bc", p0, p1, p2)  # sum over x1 of p(x1) p(x2 | x1) p(x3 | x1 x2)
@@ -381,20 +382,20 @@ class PerturbedDrafter:
     """
 
     def __init__(self, kind: str, width: tuple[int, ...], noise: float = 1.0, softmax_as_q: bool = False,
-                 sort_siblings: bool = False):
+                 sort_siblings: bool = False, prompt: tuple[int, ...] = tuple(SPROMPT)):
         self.kind, self.width, self.noise = kind, width, noise
-        self.softmax_as_q, self.sort_siblings = softmax_as_q, sort_siblings
+        self.softmax_as_q, self.sort_siblings, self.prompt = softmax_as_q, sort_siblings, prompt
         self.reset()
 
     def reset(self) -> None:
-        self.committed = SPROMPT[:1]
+        self.committed = list(self.prompt[:1])
 
     def catch_up(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
         self.committed = self.committed + next_tokens[0].tolist()
 
     def _logits(self, new: tuple[int, ...]) -> torch.Tensor:
-        """Draft logits after SPROMPT + new."""
-        l0, l1, l2 = _raw_logits()
+        """Draft logits after the prompt + new."""
+        l0, l1, l2 = _raw_logits(self.prompt)
         if len(new) == 0:
             base = l0
         elif len(new) == 1:
@@ -407,7 +408,7 @@ class PerturbedDrafter:
         return base + self.noise * torch.randn(SV, generator=torch.Generator().manual_seed(seed))
 
     def propose(self, sampling: SamplingConfig, generator: torch.Generator | None = None) -> Proposal:
-        new_prefix = tuple(self.committed[len(SPROMPT) :])
+        new_prefix = tuple(self.committed[len(self.prompt) :])
         parents: list[int] = []
         tokens: list[int] = []
         rows: dict[int, torch.Tensor] = {}  # row (node + 1) -> the law its children were drawn from
@@ -491,12 +492,13 @@ def _decoder(factory) -> SpeculativeDecoder:
     return SpeculativeDecoder(_sampling_target(), _sampling_head(reduced), tree=tree)
 
 
-def _draw(dec: SpeculativeDecoder, sampling: SamplingConfig, depth2: bool, n: int = N_SEEDS):
+def _draw(dec: SpeculativeDecoder, sampling: SamplingConfig, depth2: bool, n: int = N_SEEDS,
+          prompt: tuple[int, ...] = tuple(SPROMPT)):
     """Counts of (x1, x2) and of (x2, x3) (when depth2) over seeds 0..n-1, and the draft tokens
     accepted in round 1 of each run."""
     c12, c23 = torch.zeros(SV, SV), torch.zeros(SV, SV)
     accepted = []
-    prompt = torch.tensor([SPROMPT])
+    prompt = torch.tensor([prompt])
     for seed in range(n):
         out = dec.generate(prompt, max_new_tokens=3 if depth2 else 2, sampling=sampling, seed=seed)
         new = _new(out)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from dataclasses import asdict
 
 import torch
 
@@ -19,7 +20,11 @@ from eagle_tree.decoding.shapes import ShapeMeasurement
 def survival_depth(method: Method, outputs: Sequence[GenerateOutput]) -> int:
     """Depth of the survival curve: the tree depth (eagle) or the longest draft verified (hf)."""
     if method.kind == "eagle":
-        return 0 if method.tree is None else method.tree.depth
+        if method.tree is None:
+            return max((r.tree_size for o in outputs for r in o.rounds), default=0) if method.head else 0
+        context = method.tree.context
+        depth = method.tree.depth if method.head else 0
+        return max(depth, context.lookup_tokens if context is not None else 0)
     return max((r.tree_size for o in outputs for r in o.rounds), default=0)
 
 
@@ -27,7 +32,7 @@ def shape_measurements(result: PhaseResult) -> list[ShapeMeasurement]:
     """Per-round means C (seconds) and K (committed tokens) of every eagle shape of a phase."""
     measured = []
     for method in result.methods:
-        if method.kind != "eagle" or method.tree is None:
+        if method.kind != "eagle" or method.tree is None or not method.head:
             continue
         rounds = [r for rep in result.outputs[method.name] for o in rep for r in o.rounds]
         if not rounds:
@@ -87,4 +92,6 @@ def method_rows(result: PhaseResult, sampling: SamplingConfig, plain: str = PLAI
 def _tree_dict(tree: TreeConfig | None) -> dict | None:
     if tree is None:
         return None
-    return {"depth": tree.depth, "top_k": tree.top_k, "total_tokens": tree.total_tokens, "sampled": tree.sampled}
+    context = None if tree.context is None else asdict(tree.context)
+    return {"depth": tree.depth, "top_k": tree.top_k, "total_tokens": tree.total_tokens, "sampled": tree.sampled,
+            "context": context}

@@ -6,7 +6,9 @@ output budget, in an interleaved order (:func:`interleaved_schedule`), and every
 serves them all:
 
 - eagle-tree methods (``kind="eagle"``): plain decoding in eagle-tree's own loop (no draft: the
-  speed-up denominator) and chain / tree drafting with the EAGLE-3 head;
+  speed-up denominator), chain / tree drafting with the EAGLE-3 head (with or without context
+  branches), the head's own defaults (its decoding.json), and context branches alone (no head: a
+  prompt-lookup decoder in the same loop);
 - Hugging Face methods (``kind="hf"``): ``model.generate`` without speculation, with an assistant
   model (``assistant_model=``) and with prompt lookup (``prompt_lookup_num_tokens=``), observed by
   eagle_tree.bench.hf.
@@ -33,19 +35,30 @@ from eagle_tree.models.target import TargetModel
 
 @dataclass(frozen=True)
 class Method:
-    """One decoding method of a bench. eagle: ``tree`` None is plain decoding; hf: plain
-    ``generate``, with the assistant model (``assistant=True``) or with prompt lookup."""
+    """One decoding method of a bench. eagle: ``tree`` None is plain decoding (``use_head=False``) or
+    the head folder's default shapes (``use_head=True``); a tree with context and ``use_head=False``
+    drafts with context branches alone; hf: plain ``generate``, with the assistant model
+    (``assistant=True``) or with prompt lookup."""
 
     name: str
     kind: Literal["eagle", "hf"]
     tree: TreeConfig | None = None
     assistant: bool = False
     prompt_lookup_tokens: int | None = None
+    use_head: bool | None = None  # None: a head when a tree is given
+
+    @property
+    def head(self) -> bool:
+        return self.tree is not None if self.use_head is None else self.use_head
 
     @property
     def shape(self) -> str:
         if self.kind == "eagle":
-            return "no draft" if self.tree is None else shape_name(self.tree)
+            if self.tree is None:
+                return "head defaults (decoding.json)" if self.head else "no draft"
+            if not self.head:
+                return "context only, " + shape_name(self.tree).split("+", 1)[1]
+            return shape_name(self.tree)
         if self.assistant:
             return "assistant model"
         return f"prompt lookup, {self.prompt_lookup_tokens} tokens" if self.prompt_lookup_tokens else "no draft"
@@ -57,6 +70,16 @@ HF_GENERATE = Method("hf_generate", "hf")
 
 def eagle_method(tree: TreeConfig) -> Method:
     return Method(shape_name(tree), "eagle", tree=tree)
+
+
+def context_only_method(tree: TreeConfig) -> Method:
+    """Context branches without a head: a prompt-lookup decoder in eagle-tree's loop."""
+    if tree.context is None:
+        raise ValueError("a context-only method needs TreeConfig(context=ContextConfig(...))")
+    return Method(f"context-only-{shape_name(tree).split('+', 1)[1]}", "eagle", tree=tree, use_head=False)
+
+
+HEAD_DEFAULTS = Method("head_defaults", "eagle", use_head=True)
 
 
 @dataclass
@@ -71,18 +94,20 @@ class BenchModels:
     _decoders: dict = field(default_factory=dict, init=False, repr=False)
     _assistant_generation_config: Any = field(default=None, init=False, repr=False)
 
-    def decoder(self, tree: TreeConfig | None) -> SpeculativeDecoder:
-        if tree is not None and self.head is None:
+    def decoder(self, tree: TreeConfig | None, use_head: bool | None = None) -> SpeculativeDecoder:
+        """The decoder of a tree shape (None: plain; with ``use_head``: the head folder's defaults)."""
+        use_head = tree is not None if use_head is None else use_head
+        if use_head and self.head is None:
             raise ValueError("eagle-tree chain / tree methods need a draft head (head=PATH)")
-        if tree not in self._decoders:
-            self._decoders[tree] = SpeculativeDecoder(self.target, self.head if tree is not None else None, tree=tree)
-        return self._decoders[tree]
+        if (tree, use_head) not in self._decoders:
+            self._decoders[tree, use_head] = SpeculativeDecoder(self.target, self.head if use_head else None, tree=tree)
+        return self._decoders[tree, use_head]
 
     def run(self, method: Method, input_ids: torch.Tensor, max_new_tokens: int, sampling: SamplingConfig,
             seed: int, eos_token_id: int | None) -> GenerateOutput:
         if method.kind == "eagle":
-            return self.decoder(method.tree).generate(input_ids, max_new_tokens, sampling=sampling, seed=seed,
-                                                      eos_token_id=eos_token_id)
+            return self.decoder(method.tree, method.head).generate(input_ids, max_new_tokens, sampling=sampling,
+                                                                   seed=seed, eos_token_id=eos_token_id)
         assistant = None
         if method.assistant:
             if self.assistant is None:

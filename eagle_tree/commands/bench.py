@@ -24,12 +24,14 @@ from pathlib import Path
 from typing import Literal
 
 from eagle_tree.commands.decode import CommandSampling
+from eagle_tree.decoding.context import ContextConfig
 from eagle_tree.decoding.drafting import TreeConfig
 from eagle_tree.utils.checks import check_range
 from eagle_tree.utils.config import config_to_dict, parse_cli, save_config
 from eagle_tree.utils.tracking import WandbConfig
 
-MethodKind = Literal["plain", "hf_generate", "hf_assisted", "hf_prompt_lookup", "chain", "tree"]
+MethodKind = Literal["plain", "hf_generate", "hf_assisted", "hf_prompt_lookup", "chain", "tree", "context",
+                     "head_defaults"]
 
 
 @dataclass
@@ -79,15 +81,22 @@ class BenchConfig:
         TreeConfig(depth=4, top_k=4, total_tokens=16), TreeConfig(depth=5, top_k=6, total_tokens=32),
         TreeConfig(depth=6, top_k=8, total_tokens=48)])
     """Candidate trees (depth, top_k, total_tokens, sampled)."""
+    contexts: list[ContextConfig] = field(default_factory=list)
+    """Context settings (lookup_tokens, max_ngram, min_ngram, branches, first): every candidate shape is
+    also tuned with each of them; method `context` runs each alone (no head: prompt lookup in eagle-tree's loop)."""
     report_shapes: Literal["all", "selected"] = "all"
     """Shapes in the test comparison: every candidate, or only the selected chain and tree."""
     methods: list[MethodKind] = field(default_factory=lambda: [
         "plain", "hf_generate", "hf_assisted", "hf_prompt_lookup", "chain", "tree"])
-    """Methods to compare (plain always runs: it is the speed-up denominator)."""
+    """Methods to compare (plain always runs: it is the speed-up denominator). context: context branches
+    without a head, one method per `contexts` entry; head_defaults: the head folder's decoding.json."""
     prompt_lookup_tokens: int = 10
     """prompt_lookup_num_tokens of HF prompt lookup."""
     assistant_tokens: int | None = None
     """Fixed draft length for HF assisted generation, without HF's confidence stop (null: HF's own heuristics)."""
+    head_defaults: bool = False
+    """Write the tuned best shape into the head folder's decoding.json (greedy or sampling entry), the
+    defaults of SpeculativeDecoder(target, head); it is always written to output_dir/decoding.json."""
     output_dir: str = "results/bench"
     """Where bench.json, bench.md, the plots, shapes.json and config.yaml go (a new or empty folder, or an
     earlier bench's: files of the same names that something else wrote are never replaced)."""
@@ -161,7 +170,7 @@ def load_bench_models(cfg: BenchConfig):
     from eagle_tree.commands.decode import DecodeConfig, load_models
     from eagle_tree.utils.checks import InputError, check_finite_weights, check_target_path
 
-    wants_head = any(m in cfg.methods for m in ("chain", "tree"))
+    wants_head = any(m in cfg.methods for m in ("chain", "tree", "head_defaults"))
     if wants_head and cfg.head is None:
         raise InputError("methods chain / tree need a draft head: set head=PATH or drop them from `methods`")
     if "hf_assisted" in cfg.methods:
@@ -187,7 +196,7 @@ def load_bench_models(cfg: BenchConfig):
 
 
 def baseline_methods(cfg: BenchConfig):
-    from eagle_tree.bench.runner import HF_GENERATE, PLAIN, Method
+    from eagle_tree.bench.runner import HEAD_DEFAULTS, HF_GENERATE, PLAIN, Method, context_only_method
 
     methods = [PLAIN]
     if "hf_generate" in cfg.methods:
@@ -196,20 +205,33 @@ def baseline_methods(cfg: BenchConfig):
         methods.append(Method("hf_assisted", "hf", assistant=True))
     if "hf_prompt_lookup" in cfg.methods:
         methods.append(Method("hf_prompt_lookup", "hf", prompt_lookup_tokens=cfg.prompt_lookup_tokens))
+    if "context" in cfg.methods:
+        methods += [context_only_method(TreeConfig(context=c)) for c in dict.fromkeys(cfg.contexts)]
+    if "head_defaults" in cfg.methods:
+        methods.append(HEAD_DEFAULTS)
     return methods
 
 
 def candidate_shapes(cfg: BenchConfig) -> list[TreeConfig]:
+    """Chains and trees, each without context and with every `contexts` entry."""
+    from dataclasses import replace
+
     shapes = [TreeConfig.chain(n, sampled=False) for n in cfg.chain_lengths] if "chain" in cfg.methods else []
     shapes += list(cfg.trees) if "tree" in cfg.methods else []
+    shapes += [replace(s, context=c) for c in cfg.contexts for s in shapes if s.context is None]
     return list(dict.fromkeys(shapes))
+
+
+def _decoding_folders(cfg: BenchConfig, out_dir: Path) -> list[Path]:
+    """Where the tuned defaults go: the output folder, and the head folder with head_defaults=true."""
+    return [out_dir] + ([Path(cfg.head)] if cfg.head_defaults and cfg.head else [])
 
 
 def tune_shapes(cfg: BenchConfig, models, tuning_ids, out_dir: Path, **common):
     """Run every candidate shape on the tuning prompts; write shapes.json; return (its dict, selection)."""
     from eagle_tree.bench.aggregate import shape_measurements
     from eagle_tree.bench.runner import eagle_method, run_phase
-    from eagle_tree.decoding.shapes import save_tuned_shapes, selection
+    from eagle_tree.decoding.shapes import save_decoding_defaults, save_tuned_shapes, selection
 
     shapes = candidate_shapes(cfg)
     print(f"tuning {len(shapes)} shapes on {len(tuning_ids)} prompts x {cfg.tuning_repeats} ({cfg.tuning_prompts})")
@@ -218,7 +240,13 @@ def tune_shapes(cfg: BenchConfig, models, tuning_ids, out_dir: Path, **common):
     tuning = save_tuned_shapes(out_dir / "shapes.json", measured, temperature=cfg.sampling.temperature,
                                prompts=cfg.tuning_prompts, n_prompts=len(tuning_ids),
                                max_new_tokens=cfg.max_new_tokens, target=cfg.target, head=cfg.head)
-    return tuning | {"schedule": result.schedule}, selection(measured)
+    chosen = selection(measured)
+    source = dict(by="eagle-tree bench", temperature=cfg.sampling.temperature, prompts=cfg.tuning_prompts,
+                  n_prompts=len(tuning_ids), threads=cfg.threads, device=cfg.device, dtype=cfg.dtype,
+                  time_per_token_s=chosen["best"].time_per_token, committed=chosen["best"].committed)
+    for folder in _decoding_folders(cfg, out_dir):
+        save_decoding_defaults(folder, chosen["best"].tree, greedy=cfg.sampling.greedy, **source)
+    return tuning | {"schedule": result.schedule}, chosen
 
 
 def main(argv: list[str]) -> int:
@@ -248,6 +276,12 @@ def run(cfg: BenchConfig) -> int:
 
     out_dir = Path(cfg.output_dir)
     check_output_dir(out_dir, BENCH_KIND, writes=BENCH_FILES, overwrite=cfg.overwrite, recognise=_is_old_bench)
+    if cfg.head_defaults and cfg.head and not cfg.tiny_assets:  # its decoding.json is merged, never another file
+        from eagle_tree.decoding.shapes import is_decoding_file
+        from eagle_tree.utils.outputs import check_output_file
+
+        check_output_file(Path(cfg.head) / "decoding.json", BENCH_KIND, overwrite=cfg.overwrite,
+                          recognise=is_decoding_file)
     if cfg.tiny_assets:
         for key, path in build_tiny_assets(cfg.tiny_assets).items():
             setattr(cfg, key, str(path))
@@ -273,7 +307,8 @@ def run(cfg: BenchConfig) -> int:
     if shapes:
         tuning, chosen = tune_shapes(cfg, models, tuning_ids, out_dir, **common)
         if cfg.report_shapes == "selected":
-            shapes = list(dict.fromkeys(chosen[k].tree for k in ("chain", "tree") if k in chosen))
+            shapes = list(dict.fromkeys(chosen[k].tree for k in ("chain", "tree", "no_context", "context")
+                                        if k in chosen))
 
     # 2. the comparison on the test prompts
     methods = baseline_methods(cfg) + [eagle_method(s) for s in shapes]
@@ -302,7 +337,8 @@ def run(cfg: BenchConfig) -> int:
 
 
 BENCH_KIND = "eagle-tree bench"
-BENCH_FILES = ("config.yaml", "bench.json", "bench.md", "shapes.json", "survival.png", "time_per_token.png")
+BENCH_FILES = ("config.yaml", "bench.json", "bench.md", "shapes.json", "decoding.json", "survival.png",
+               "time_per_token.png")
 
 
 def _is_old_bench(path: Path) -> bool:
@@ -359,7 +395,7 @@ def markdown_report(report: dict) -> str:
             sel = ", ".join(k for k, n in t["selected"].items() if n == s["name"])
             lines.append(f"| {s['name']} | {s['rounds']} | {_ms(s['round_s'])} | {s['committed']:.2f} | "
                          f"{_ms(s['time_per_token_s'])} | {sel} |")
-        steps = [s for kind in ("chain", "tree") for s in t["marginal"][kind]]
+        steps = [s for kind in t["marginal"] for s in t["marginal"][kind]]
         if steps:
             lines += ["", "Marginal rule (a growth step helps when dC/dK < C/K):", "",
                       "| step | dC ms | dK | dC/dK ms | C/K ms | helps |", "|---|---|---|---|---|---|"]

@@ -3,6 +3,12 @@
 Node ``i`` has parent ``parents[i]`` in ``{-1, 0, .., i-1}`` (-1: a child of the root, which is the
 last committed token) and token ``tokens[i]``. Nodes are in topological order, children of a node
 in proposal order (their index order). A chain is ``parents = [-1, 0, 1, ...]``.
+
+Mixed nodes (EXACTNESS.md, "Mixed nodes"): under the sampled verification rules, ``point_mass[i]``
+marks node ``i`` as proposed by a point mass (a token copied from the context) beside siblings
+drawn from ``q``; and ``phantoms`` lists drawn children that repeat the token of a point-mass
+sibling checked before them: ``(parent, slot, token)`` is checked after the first ``slot`` children
+of ``parent``. A phantom is rejected with certainty but its residual update applies; it has no row.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ def _as_int_list(values, name: str) -> list[int]:
 class Tree:
     """A validated draft tree with the derived views the decoder and verifier need."""
 
-    def __init__(self, parents: Sequence[int] | torch.Tensor, tokens: Sequence[int] | torch.Tensor):
+    def __init__(self, parents: Sequence[int] | torch.Tensor, tokens: Sequence[int] | torch.Tensor,
+                 point_mass: Sequence[bool] | None = None, phantoms: Sequence[tuple[int, int, int]] = ()):
         self.parents = _as_int_list(parents, "parents")
         self.tokens = _as_int_list(tokens, "tokens")
         if len(self.parents) != len(self.tokens):
@@ -48,6 +55,18 @@ class Tree:
         for i, t in enumerate(self.tokens):
             if t < 0:
                 raise ValueError(f"node {i} has negative token id {t}")
+        self.point_mass = None if point_mass is None else [bool(b) for b in point_mass]
+        if self.point_mass is not None and len(self.point_mass) != len(self.tokens):
+            raise ValueError(f"point_mass needs one flag per node ({len(self.tokens)}), got {len(self.point_mass)}")
+        self.phantoms = [(int(a), int(b), int(c)) for a, b, c in phantoms]
+        for parent, slot, token in self.phantoms:
+            kids = [i for i, p in enumerate(self.parents) if p == parent][:slot] if parent < len(self) else []
+            if not any(self.tokens[k] == token and self.is_point_mass(k) for k in kids) or len(kids) < slot:
+                raise ValueError(
+                    f"phantom {(parent, slot, token)}: a drawn child without a row must repeat the token of a "
+                    f"point-mass sibling checked before it (slot <= the number of children of {parent}); "
+                    "otherwise it can be accepted and needs a row of its own"
+                )
 
     @classmethod
     def chain(cls, tokens: Sequence[int] | torch.Tensor) -> Tree:
@@ -58,7 +77,25 @@ class Tree:
         return len(self.parents)
 
     def __repr__(self) -> str:
-        return f"Tree(parents={self.parents}, tokens={self.tokens})"
+        extra = "" if self.point_mass is None else f", point_mass={self.point_mass}"
+        extra += f", phantoms={self.phantoms}" if self.phantoms else ""
+        return f"Tree(parents={self.parents}, tokens={self.tokens}{extra})"
+
+    def is_point_mass(self, node: int) -> bool:
+        """Whether node was marked a point mass (False when no flags were given: the rule decides)."""
+        return self.point_mass is not None and self.point_mass[node]
+
+    def checks(self, node: int) -> list[tuple[int, int | None]]:
+        """The acceptance tests at ``node`` in order: (token, child index, or None for a phantom)."""
+        phantoms = sorted((ph for ph in self.phantoms if ph[0] == node), key=lambda ph: ph[1])
+        order: list[tuple[int, int | None]] = []
+        j = 0
+        for k, c in enumerate(self.children[node]):
+            while j < len(phantoms) and phantoms[j][1] <= k:
+                order.append((phantoms[j][2], None))
+                j += 1
+            order.append((self.tokens[c], c))
+        return order + [(token, None) for _, _, token in phantoms[j:]]
 
     @cached_property
     def depth(self) -> list[int]:

@@ -129,7 +129,7 @@ def verify_tree(
             continue
         if not kids:  # bonus token from p at the accepted leaf
             return VerifyResult(accepted, _sample(p_all[row], generator))
-        child, residual = _check_children(kids, tree.tokens, p_all[row], q_all, row, rule, generator)
+        child, residual = _check_children(tree, node, p_all[row], q_all, row, rule, generator)
         if child is None:  # every child rejected: correction from the residual
             return VerifyResult(accepted, _sample(residual, generator))
         accepted.append(child)
@@ -146,13 +146,19 @@ class _Rows:
         return self.table[row].to("cpu", torch.float64)
 
 
-def _check_children(kids, tokens, p, q_all, row, rule: VerifyRule, generator):
-    """Branch-wise residual over the children of one node. Returns (accepted child or None, r)."""
+def _check_children(tree: Tree, node: int, p, q_all, row, rule: VerifyRule, generator):
+    """Branch-wise residual over the checks of one node (children and phantoms, Tree.checks).
+    Returns (accepted child or None, r). Each check carries its own law ``Q_k``: a point mass for
+    every child under the deterministic rule and for children marked ``point_mass`` (mixed nodes);
+    otherwise ``q``, with the earlier drawn siblings (phantoms included) removed under the
+    without-replacement rule."""
     r = p.clone()
-    point_mass = rule is VerifyRule.DETERMINISTIC
-    q = None if q_all is None or point_mass else q_all[row].clone()
-    for c in kids:
-        x = tokens[c]
+    sampled = rule.needs_draft_probs
+    q = q_all[row].clone() if sampled and q_all is not None else None
+    for x, c in tree.checks(node):
+        if c is None and not sampled:  # a point-mass duplicate changes nothing
+            continue
+        point_mass = not sampled or (c is not None and tree.is_point_mass(c))
         if point_mass:
             ratio = r[x]  # Q_k is a point mass on x
         else:
@@ -164,6 +170,8 @@ def _check_children(kids, tokens, p, q_all, row, rule: VerifyRule, generator):
             ratio = r[x] / q[x]
         u = torch.rand((), generator=generator, dtype=torch.float64)
         if u < ratio:
+            if c is None:
+                raise ValueError(f"a phantom check (token {x}) at row {row} was accepted: its residual was not zero")
             return c, r
         if point_mass:
             r[x] = 0.0

@@ -22,7 +22,9 @@ import torch
 from eagle_tree.core.sampling import SamplingConfig, processed_probs
 from eagle_tree.core.tree import Tree
 from eagle_tree.core.verify import sample_token, verify_tree
+from eagle_tree.decoding.context import ContextDrafter
 from eagle_tree.decoding.drafting import Drafter, Proposal, TreeConfig
+from eagle_tree.decoding.shapes import load_decoding_defaults
 from eagle_tree.models.target import TargetModel
 
 
@@ -77,6 +79,9 @@ class GenerateOutput:
 class SpeculativeDecoder:
     """Speculative decoding of ``target`` with an EAGLE-3 ``draft`` head (None: plain decoding).
 
+    ``tree``: the draft shape; without it, the shapes in the head folder's ``decoding.json`` (one for
+    greedy decoding, one for sampling; decoding/shapes.py), else ``TreeConfig()``. ``tree.context``
+    adds context branches (decoding/context.py); with no head they draft alone.
     ``drafter`` replaces the head-driven Drafter with any object offering ``reset()``,
     ``catch_up(features, next_tokens)`` and ``propose(sampling, generator) -> Proposal`` (tests use
     this to force acceptance patterns).
@@ -86,7 +91,16 @@ class SpeculativeDecoder:
         layers = None if draft is None else draft.config.feature_layers
         self.target = target if isinstance(target, TargetModel) else TargetModel(target, feature_layers=layers)
         self.draft = draft
-        self.tree = tree or TreeConfig()
+        # without tree=, the head folder's decoding.json (greedy and sampling shapes), else TreeConfig()
+        self.defaults = {} if tree is not None or drafter is not None else load_decoding_defaults(
+            getattr(draft, "pretrained_path", None))
+        self._build(tree or self.defaults.get("greedy") or TreeConfig(), drafter)
+
+    def _build(self, tree: TreeConfig, drafter=None) -> None:
+        self.tree = tree
+        draft = self.draft
+        if drafter is None and self.tree.context is not None:  # context branches; no head: context only
+            drafter = ContextDrafter(Drafter(draft, self.tree) if draft is not None else None, self.tree.context)
         if draft is not None:
             draft.bind_target(self.target)
             draft.eval()
@@ -103,6 +117,9 @@ class SpeculativeDecoder:
         eos_token_id: int | list[int] | None = None,
     ) -> GenerateOutput:
         sampling = sampling or SamplingConfig(temperature=0.0)
+        default = self.defaults.get("greedy" if sampling.greedy else "sampling")
+        if default is not None and default != self.tree:  # the head folder's shape for this kind of decoding
+            self._build(default)
         input_ids = torch.as_tensor(input_ids).long()
         if input_ids.dim() == 1:
             input_ids = input_ids[None]

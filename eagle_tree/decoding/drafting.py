@@ -24,6 +24,7 @@ import torch
 from eagle_tree.core.sampling import SamplingConfig, processed_probs
 from eagle_tree.core.tree import Tree
 from eagle_tree.core.verify import VerifyRule
+from eagle_tree.decoding.context import ContextConfig
 from eagle_tree.models.head import Eagle3DraftModel
 
 
@@ -31,14 +32,18 @@ from eagle_tree.models.head import Eagle3DraftModel
 class TreeConfig:
     """Shape of the draft. depth: levels below the root; top_k: children per expanded node and
     nodes expanded per level; total_tokens: nodes kept after the global rerank; sampled: draw
-    children (Gumbel-top-k) instead of taking the top-k."""
+    children (Gumbel-top-k) instead of taking the top-k; context: branches copied from the committed
+    text, merged into the tree (None: off; their nodes count beside total_tokens, see context.py)."""
 
     depth: int = 6
     top_k: int = 8
     total_tokens: int = 48
     sampled: bool = False
+    context: ContextConfig | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.context, dict):  # from a JSON or YAML mapping
+            object.__setattr__(self, "context", ContextConfig(**self.context))
         for name in ("depth", "top_k", "total_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -12,6 +12,16 @@ shapes=PATH`` decodes with the shape selected there (:func:`load_tuned_shape`)::
 
     best = pick_best([ShapeMeasurement(TreeConfig.chain(3), round_s=0.030, committed=2.1), ...])
     tree = load_tuned_shape("results/bench/shapes.json")         # the overall best, chain or tree
+
+Context branches (``TreeConfig.context``) are tuned the same way: a shape with context is one more
+candidate, named ``chain-4+ctx8`` (``+ctx8x2`` for two branches). The marginal tables follow each
+context setting's own growth sequence.
+
+A head's folder can carry its decoding defaults in ``decoding.json`` (in the manner of
+``generation_config.json``): the draft shape to use under greedy decoding and under sampling.
+Training writes untuned defaults with the final head; the bench's tuning writes measured ones
+(:func:`save_decoding_defaults`); ``SpeculativeDecoder(target, draft)`` without ``tree=`` reads them
+(:func:`load_decoding_defaults`).
 """
 
 from __future__ import annotations
@@ -23,15 +33,31 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+from eagle_tree.decoding.context import ContextConfig
 from eagle_tree.decoding.drafting import TreeConfig
+from eagle_tree.utils.outputs import write_text
 
 SHAPES_FORMAT = "eagle-tree/shapes/v1"
+DECODING_FORMAT = "eagle-tree/decoding/v1"
+DECODING_FILE = "decoding.json"
+
+
+def context_name(context: ContextConfig) -> str:
+    """``ctx8`` (8 tokens copied), ``ctx8x2`` (2 branches), then ``-g2to4`` for n-gram lengths other than
+    the default 1..4 and ``-headfirst`` when the head's children are checked first."""
+    default = ContextConfig()
+    name = f"ctx{context.lookup_tokens}" + (f"x{context.branches}" if context.branches > 1 else "")
+    if (context.min_ngram, context.max_ngram) != (default.min_ngram, default.max_ngram):
+        name += f"-g{context.min_ngram}to{context.max_ngram}"
+    return name + ("-headfirst" if context.first == "head" else "")
 
 
 def shape_name(tree: TreeConfig) -> str:
-    """``chain-4`` or ``tree-d6k8n48`` (``-sampled`` appended for Gumbel-top-k trees)."""
+    """``chain-4`` or ``tree-d6k8n48`` (``-sampled`` appended for Gumbel-top-k trees, ``+ctx8`` for
+    context branches)."""
     name = f"chain-{tree.depth}" if tree.is_chain else f"tree-d{tree.depth}k{tree.top_k}n{tree.total_tokens}"
-    return name + ("-sampled" if tree.sampled else "")
+    name += "-sampled" if tree.sampled else ""
+    return name + (f"+{context_name(tree.context)}" if tree.context is not None else "")
 
 
 @dataclass(frozen=True)
@@ -143,30 +169,46 @@ def growth_order(measurements: Sequence[ShapeMeasurement]) -> list[ShapeMeasurem
 
 
 def selection(measurements: Sequence[ShapeMeasurement]) -> dict[str, ShapeMeasurement]:
-    """The best chain, the best tree and the best of all (keys present only when measured)."""
+    """The best chain, the best tree and the best of all; when context settings were measured, also
+    the best shape without context (``no_context``) and with it (``context``). Keys present only when
+    measured."""
     chosen = {"best": pick_best(measurements)}
-    chains = [m for m in measurements if m.tree.is_chain]
-    trees = [m for m in measurements if not m.tree.is_chain]
-    if chains:
-        chosen["chain"] = pick_best(chains)
-    if trees:
-        chosen["tree"] = pick_best(trees)
+    groups = {
+        "chain": [m for m in measurements if m.tree.is_chain],
+        "tree": [m for m in measurements if not m.tree.is_chain],
+        "no_context": [m for m in measurements if m.tree.context is None],
+        "context": [m for m in measurements if m.tree.context is not None],
+    }
+    if not groups["context"]:
+        del groups["no_context"]
+    for kind, group in groups.items():
+        if group:
+            chosen[kind] = pick_best(group)
     return chosen
+
+
+def _growth_sequences(measurements: Sequence[ShapeMeasurement]) -> dict[str, list[ShapeMeasurement]]:
+    """Chains and trees, each context setting apart: ``chain``, ``tree``, ``chain+ctx8``, ..."""
+    sequences: dict[str, list[ShapeMeasurement]] = {"chain": [], "tree": []}
+    for m in measurements:
+        kind = "chain" if m.tree.is_chain else "tree"
+        if m.tree.context is not None:
+            kind += f"+{context_name(m.tree.context)}"
+        sequences.setdefault(kind, []).append(m)
+    return {kind: growth_order(seq) for kind, seq in sequences.items()}
 
 
 def save_tuned_shapes(path: str | Path, measurements: Sequence[ShapeMeasurement], **context) -> dict:
     """Write the measured shapes, the selection and the marginal tables to ``path`` (JSON); ``context``
     (e.g. the temperature, the prompt file, the machine) is stored alongside. Returns the written dict."""
     chosen = selection(measurements)
-    chains = growth_order([m for m in measurements if m.tree.is_chain])
-    trees = growth_order([m for m in measurements if not m.tree.is_chain])
     data = {
         "format": SHAPES_FORMAT,
         "criterion": "lowest C / K: mean round time over mean tokens committed per round",
         "selected": {kind: m.name for kind, m in chosen.items()},
         "shapes": [m.to_dict() for m in measurements],
-        "marginal": {kind: [_step_dict(s) for s in marginal_steps(seq)] for kind, seq in (("chain", chains),
-                                                                                           ("tree", trees))},
+        "marginal": {kind: [_step_dict(s) for s in marginal_steps(seq)]
+                     for kind, seq in _growth_sequences(measurements).items()},
         "context": context,
     }
     path = Path(path)
@@ -175,7 +217,8 @@ def save_tuned_shapes(path: str | Path, measurements: Sequence[ShapeMeasurement]
     return data
 
 
-def load_tuned_shape(path: str | Path, which: Literal["best", "chain", "tree"] = "best") -> TreeConfig:
+def load_tuned_shape(path: str | Path,
+                     which: Literal["best", "chain", "tree", "context", "no_context"] = "best") -> TreeConfig:
     """The draft shape selected in a tuning file written by :func:`save_tuned_shapes` (``eagle-tree bench``)."""
     path = Path(path)
     if not path.is_file():
@@ -196,3 +239,50 @@ def load_tuned_shape(path: str | Path, which: Literal["best", "chain", "tree"] =
 def _step_dict(step: MarginalStep) -> dict:
     marginal = step.marginal_s
     return asdict(step) | {"marginal_s": marginal if math.isfinite(marginal) else None}
+
+
+# ------------------------------------------------------------------------- a head's decoding defaults
+
+
+def save_decoding_defaults(folder: str | Path, tree: TreeConfig, greedy: bool, **source) -> dict:
+    """Write ``tree`` as the default draft shape for greedy decoding (``greedy``) or for sampling into
+    ``folder/decoding.json``, keeping the other entry if the file has one; ``source`` (who measured it,
+    on which prompts) is stored beside it. Returns the written dict."""
+    path = Path(folder) / DECODING_FILE
+    data = _read_decoding(path) or {"format": DECODING_FORMAT}
+    data["greedy" if greedy else "sampling"] = {"tree": asdict(tree), "name": shape_name(tree), "source": source}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text(path, json.dumps(data, indent=2, allow_nan=False) + "\n")
+    return data
+
+
+def load_decoding_defaults(folder: str | Path | None) -> dict[str, TreeConfig]:
+    """The draft shapes a head folder recommends: ``{"greedy": TreeConfig, "sampling": TreeConfig}``
+    (either key absent when not set; empty when the folder has no decoding.json). Under sampling
+    without a ``sampling`` entry the greedy one serves too, and vice versa (both are exact)."""
+    data = _read_decoding(Path(folder) / DECODING_FILE) if folder is not None else None
+    if not data:
+        return {}
+    out = {kind: TreeConfig(**data[kind]["tree"]) for kind in ("greedy", "sampling") if kind in data}
+    if out and len(out) == 1:
+        (only,) = out.values()
+        out = {"greedy": only, "sampling": only}
+    return out
+
+
+def is_decoding_file(path: str | Path) -> bool:
+    """Whether ``path`` is an eagle-tree decoding defaults file (which the bench's tuning may update)."""
+    try:
+        return json.loads(Path(path).read_text()).get("format") == DECODING_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _read_decoding(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    if data.get("format") != DECODING_FORMAT:
+        raise ValueError(f"{path} is not an eagle-tree decoding defaults file (format {data.get('format')!r}); "
+                         f"expected {DECODING_FORMAT!r}: remove it or rewrite it with the bench's tuning")
+    return data

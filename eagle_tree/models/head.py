@@ -247,7 +247,9 @@ class Eagle3DraftModel(nn.Module):
             hf = target.model if _is_wrapper(target) else target
             layers = text_config(hf.config).num_hidden_layers
         cfg, state = read_head(path, target_num_layers=layers)
-        return cls.from_state_dict(cfg, state, target=target, dtype=dtype)
+        model = cls.from_state_dict(cfg, state, target=target, dtype=dtype)
+        model.pretrained_path = str(path)  # its decoding.json, if any, gives the decoder's default shapes
+        return model
 
     @classmethod
     def from_state_dict(cls, cfg: Eagle3Config, state: dict, target=None, dtype=None) -> Eagle3DraftModel:

@@ -47,7 +47,7 @@ from eagle_tree.training.checkpoint import (
     prune_checkpoints,
     save_checkpoint,
 )
-from eagle_tree.training.config import TrainConfig
+from eagle_tree.training.config import EvalSection, TrainConfig
 from eagle_tree.training.data import DataError
 from eagle_tree.training.evaluate import evaluate_acceptance
 from eagle_tree.training.resolve import load_target, read_prompts, resolve_data
@@ -115,6 +115,16 @@ class TTTLoss(nn.Module):
         out.logits = []  # (B, T, Vd) per step: autograd keeps what backward needs, drop the rest now
         return out.loss, out
 
+
+
+def _save_untuned_decoding_defaults(folder: Path, ev: EvalSection) -> None:
+    """decoding.json beside the final head: the evaluation's tree shape, marked untuned (the bench's
+    tuning with head_defaults=true replaces it with measured shapes)."""
+    from eagle_tree.decoding.drafting import TreeConfig
+    from eagle_tree.decoding.shapes import save_decoding_defaults
+
+    tree = TreeConfig(depth=ev.tree_depth, top_k=ev.tree_top_k, total_tokens=ev.tree_total_tokens)
+    save_decoding_defaults(folder, tree, greedy=True, by="training", tuned=False)
 
 
 def _make_accelerator(cfg: TrainConfig):
@@ -429,6 +439,7 @@ class _Run:
         if self.main:
             full_head(self.draft, weights).save_pretrained(final_dir)
             save_config(self.cfg, final_dir / CONFIG_NAME)
+            _save_untuned_decoding_defaults(final_dir, self.cfg.eval)
             summary = {"steps": self.step, "tokens": self.tokens, "wall_s": round(wall, 2), "world_size": self.world,
                        "tokens_per_rank": tokens_per_rank, "mixed_precision": self.precision,
                        "final_metrics": self.metrics, "evals": self.evals, "final_dir": str(final_dir)}
