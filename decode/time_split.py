@@ -1,110 +1,153 @@
-"""Per-round time split of plain, chain and tree decoding on a tiny target (MEASURING.md).
+"""Per-round time split of plain, chain and tree decoding on the shipped reference target (MEASURING.md).
 
-Usage: python decode/time_split.py [--family llama] [--layers 8] [--hidden 256] [--vocab 512]
-       [--prompts 3] [--prompt-length 24] [--new-tokens 48] [--repeats 2] [--chain 4]
-       [--depth 4] [--top-k 4] [--total-tokens 16] [--temperature 0.0] [--threads 1] [--seed 0]
+Usage: python decode/time_split.py [--target assets/reference/target] [--head assets/reference/head]
+       [--prompts assets/reference/prompts/test.jsonl] [--limit 4] [--new-tokens 64] [--repeats 2]
+       [--shapes plain chain-2 tree-3x3/8] [--temperature 0.0] [--threads 2] [--compile] [--seed 0]
 
-Builds a randomly initialised target with eagle_tree.reference.tiny and an untrained EAGLE-3 head
-(Eagle3DraftModel.from_target), decodes the same random prompts with each method (interleaved,
-after one warm-up call each) and prints, per method: milliseconds per round spent drafting (with
-the draft cache catch-up), verifying (the target's tree-masked forward) and in the rest (sampling,
-acceptance, cache maintenance); tokens committed per round; time per output token = cumulative wall
-time / cumulative new tokens (prefill included, never a mean of per-round ratios); time to first
-token. An untrained head is rarely right, so the draft costs time and buys few tokens here: the
-point is where a round's time goes. At temperature 0 each method is also checked to give plain
-decoding's tokens.
+Decodes the same prompts with each shape and with Hugging Face ``generate`` (interleaved, after one
+warm-up call each) and prints one row per shape, side by side:
+
+- draft ms per round and per head forward (a chain of L tokens and a tree of depth d run L and d head
+  forwards a round: the catch-up on the committed pairs, then one per level below the first);
+- verify ms per round, and as a multiple of one target step (plain decoding's verify ms per round:
+  a one-token forward);
+- other ms per round (acceptance, cache compaction, bookkeeping) and its share of the round;
+- tokens per round, time per output token (cumulative wall time / new tokens, prefill included) and
+  the speed-up over plain decoding in eagle-tree's loop;
+- for plain decoding, Hugging Face ``generate`` time per token on the same prompts (its own cache,
+  greedy or sampled with the same settings, EOS disabled), the honest denominator's check.
+
+EOS is ignored so every call produces ``--new-tokens`` tokens. At temperature 0 every shape is also
+checked to give plain decoding's tokens. The default run (4 prompts, 64 tokens, 2 repeats) takes about
+a minute on 2 CPU cores.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
+import re
+import time
 
 import torch
 
-from eagle_tree import SamplingConfig
+from eagle_tree.core.sampling import SamplingConfig
 from eagle_tree.decoding.decoder import SpeculativeDecoder
 from eagle_tree.decoding.drafting import TreeConfig
 from eagle_tree.decoding.metrics import summarize
 from eagle_tree.models.head import Eagle3DraftModel
 from eagle_tree.models.target import TargetModel
-from eagle_tree.reference.tiny import FAMILIES, tiny_causal_lm
+
+SHAPE = re.compile(r"^(plain|chain-(\d+)|tree-(\d+)x(\d+)/(\d+))$")
+
+
+def parse_shape(text: str) -> TreeConfig | None:
+    """'plain' -> None, 'chain-L' -> a chain of L tokens, 'tree-DxK/N' -> depth D, top_k K, N tokens."""
+    m = SHAPE.match(text)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"shape {text!r} must be 'plain', 'chain-L' or 'tree-DxK/N' (e.g. tree-3x3/8)")
+    if m.group(1) == "plain":
+        return None
+    if m.group(2):
+        return TreeConfig.chain(int(m.group(2)))
+    return TreeConfig(depth=int(m.group(3)), top_k=int(m.group(4)), total_tokens=int(m.group(5)))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--family", choices=FAMILIES, default="llama")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--prompts", type=int, default=3)
-    p.add_argument("--prompt-length", type=int, default=24)
-    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--target", default="assets/reference/target")
+    p.add_argument("--head", default="assets/reference/head")
+    p.add_argument("--prompts", default="assets/reference/prompts/test.jsonl", help="jsonl with a 'prompt' field")
+    p.add_argument("--limit", type=int, default=4, help="prompts used")
+    p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--chain", type=int, default=4, help="draft tokens of the chain")
-    p.add_argument("--depth", type=int, default=4)
-    p.add_argument("--top-k", type=int, default=4)
-    p.add_argument("--total-tokens", type=int, default=16)
+    p.add_argument("--shapes", nargs="+", default=["plain", "chain-2", "tree-3x3/8"])
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--compile", action="store_true", help="SpeculativeDecoder(compile=True)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 
-def build(args: argparse.Namespace) -> tuple[TargetModel, dict[str, SpeculativeDecoder]]:
-    heads = max(1, args.hidden // 64)
-    model = tiny_causal_lm(args.family, vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
-                           num_heads=heads, num_kv_heads=max(1, heads // 2), intermediate_size=2 * args.hidden,
-                           initializer_range=0.1, seed=args.seed)
-    target = TargetModel(model)
-    head = Eagle3DraftModel.from_target(target, seed=args.seed)
-    methods = {
-        "plain": SpeculativeDecoder(target),
-        f"chain-{args.chain}": SpeculativeDecoder(target, head, tree=TreeConfig.chain(length=args.chain)),
-        f"tree-{args.depth}x{args.top_k}/{args.total_tokens}": SpeculativeDecoder(
-            target, head, tree=TreeConfig(depth=args.depth, top_k=args.top_k, total_tokens=args.total_tokens)
-        ),
-    }
-    return target, methods
+def hf_generate_s(model, prompt: torch.Tensor, new_tokens: int, sampling: SamplingConfig, seed: int) -> float:
+    """Seconds of one Hugging Face ``generate`` call producing exactly ``new_tokens`` tokens."""
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
+    if sampling.greedy:
+        kwargs["do_sample"] = False
+    else:
+        kwargs.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+    torch.manual_seed(seed)
+    start = time.perf_counter()
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs)
+    elapsed = time.perf_counter() - start
+    assert out.shape[1] == prompt.shape[1] + new_tokens
+    return elapsed
+
+
+def head_forwards(tree: TreeConfig | None) -> int:
+    """Head forwards a round: the catch-up, then one per level below the first."""
+    return 0 if tree is None else tree.depth
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    target, methods = build(args)
-    sampling = SamplingConfig(temperature=args.temperature)
-    g = torch.Generator().manual_seed(args.seed)
-    prompts = [torch.randint(0, args.vocab, (1, args.prompt_length), generator=g) for _ in range(args.prompts)]
+    from transformers import AutoTokenizer
 
-    for dec in methods.values():  # warm-up, untimed
-        dec.generate(prompts[0], max_new_tokens=4, sampling=sampling)
-    outputs: dict[str, list] = {name: [] for name in methods}
+    shapes = {name: parse_shape(name) for name in args.shapes}
+    if "plain" not in shapes:
+        shapes = {"plain": None, **shapes}
+    target = TargetModel.from_pretrained(args.target)
+    head = Eagle3DraftModel.from_pretrained(args.head, target=target)
+    decoders = {name: SpeculativeDecoder(target, None if tree is None else head, tree=tree, compile=args.compile)
+                for name, tree in shapes.items()}
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    with open(args.prompts) as f:
+        texts = [json.loads(line)["prompt"] for line in f if line.strip()][: args.limit]
+    prompts = [tokenizer(t, return_tensors="pt").input_ids for t in texts]
+    sampling = SamplingConfig(temperature=args.temperature)
+
+    for dec in decoders.values():  # warm-up, untimed (compilation happens here)
+        dec.generate(prompts[0], max_new_tokens=8, sampling=sampling)
+    hf_generate_s(target.model, prompts[0], 8, sampling, args.seed)
+    outputs: dict[str, list] = {name: [] for name in decoders}
+    hf_s = 0.0
     for r in range(args.repeats):  # interleaved: every method sees the same conditions
         for i, prompt in enumerate(prompts):
-            for name, dec in methods.items():
-                seed = args.seed + 1000 * r + i
+            seed = args.seed + 1000 * r + i
+            for name, dec in decoders.items():
                 outputs[name].append(dec.generate(prompt, max_new_tokens=args.new_tokens, sampling=sampling, seed=seed))
+            hf_s += hf_generate_s(target.model, prompt, args.new_tokens, sampling, seed)
+    hf_ms_per_token = 1e3 * hf_s / (args.repeats * len(prompts) * args.new_tokens)
 
-    print(f"target: {args.family}, {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, float32; "
-          f"untrained head; torch {torch.__version__}, {torch.get_num_threads()} thread(s), {platform.machine()}")
-    print(f"{args.prompts} prompts x {args.repeats} repeats, {args.prompt_length} prompt tokens, "
-          f"{args.new_tokens} new tokens, temperature {args.temperature}")
-    header = ("method", "rounds", "tok/round", "draft ms", "verify ms", "other ms", "round ms", "TTFT ms", "ms/token")
+    print(f"target {args.target}, head {args.head}, float32; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} thread(s), {platform.machine()}, compile={args.compile}")
+    print(f"{len(prompts)} prompts x {args.repeats} repeats, {args.new_tokens} new tokens, temperature "
+          f"{args.temperature}")
+    header = ("shape", "tok/round", "draft ms", "per head fwd", "verify ms", "x target step", "other ms",
+              "other share", "round ms", "ms/token", "speed-up")
     print("| " + " | ".join(header) + " |")
     print("|" + "|".join("---" for _ in header) + "|")
-    depth = max(args.chain, args.depth)
-    for name, outs in outputs.items():
-        s = summarize(name, args.temperature, outs, depth=depth)
-        per_round = s.draft_s_per_round + s.verify_s_per_round + s.other_s_per_round
-        cells = (name, str(s.rounds), f"{s.acceptance_length:.2f}", f"{1e3 * s.draft_s_per_round:.2f}",
-                 f"{1e3 * s.verify_s_per_round:.2f}", f"{1e3 * s.other_s_per_round:.2f}", f"{1e3 * per_round:.2f}",
-                 f"{1e3 * s.time_to_first_token_s:.2f}", f"{1e3 * s.time_per_output_token_s:.2f}")
+    summaries = {name: summarize(name, args.temperature, outs, depth=max(1, (shapes[name] or TreeConfig.chain(1)).depth))
+                 for name, outs in outputs.items()}
+    step_ms = 1e3 * summaries["plain"].verify_s_per_round
+    plain_tpot = summaries["plain"].time_per_output_token_s
+    for name, s in summaries.items():
+        draft, verify, other = (1e3 * s.draft_s_per_round, 1e3 * s.verify_s_per_round, 1e3 * s.other_s_per_round)
+        round_ms = draft + verify + other
+        forwards = head_forwards(shapes[name])
+        cells = (name, f"{s.acceptance_length:.2f}", f"{draft:.2f}",
+                 f"{draft / forwards:.2f} ({draft / forwards / step_ms:.2f} step)" if forwards else "-",
+                 f"{verify:.2f}", f"{verify / step_ms:.2f}", f"{other:.2f}", f"{100 * other / round_ms:.1f}%",
+                 f"{round_ms:.2f}", f"{1e3 * s.time_per_output_token_s:.2f}",
+                 f"{plain_tpot / s.time_per_output_token_s:.2f}x")
         print("| " + " | ".join(cells) + " |")
+    print(f"plain decoding: eagle-tree loop {1e3 * plain_tpot:.2f} ms/token, Hugging Face generate "
+          f"{hf_ms_per_token:.2f} ms/token (loop / generate = {1e3 * plain_tpot / hf_ms_per_token:.3f})")
     if args.temperature == 0.0:
         plain = [o.sequences for o in outputs["plain"]]
-        same = all(
-            torch.equal(a.sequences, b) for outs in outputs.values() for a, b in zip(outs, plain, strict=True)
-        )
+        same = all(torch.equal(a.sequences, b) for outs in outputs.values() for a, b in zip(outs, plain, strict=True))
         print(f"greedy outputs identical to plain decoding: {'yes' if same else 'NO'}")
 
 

@@ -9,6 +9,11 @@ marks node ``i`` as proposed by a point mass (a token copied from the context) b
 drawn from ``q``; and ``phantoms`` lists drawn children that repeat the token of a point-mass
 sibling checked before them: ``(parent, slot, token)`` is checked after the first ``slot`` children
 of ``parent``. A phantom is rejected with certainty but its residual update applies; it has no row.
+
+Rows: verification runs the target over ``[root, node 0, node 1, ...]``, so the root is row 0 and
+node ``i`` is row ``i + 1`` of the verifier's inputs, logits and probability tables, of the cache
+entries that verification appends, and of the draft's per-node laws. :meth:`Tree.row` and
+:meth:`Tree.cache_rows` own that offset; everything else calls them.
 """
 
 from __future__ import annotations
@@ -73,6 +78,17 @@ class Tree:
         n = len(tokens)
         return cls(list(range(-1, n - 1)), tokens)
 
+    @staticmethod
+    def row(node: int) -> int:
+        """Row of ``node`` (``ROOT`` = -1 included) in the verifier's [root, nodes] tables: node + 1."""
+        return node + 1
+
+    @staticmethod
+    def cache_rows(nodes: Sequence[int]) -> list[int]:
+        """Rows of the root and of ``nodes`` (ascending node indices, e.g. the accepted path): the cache
+        entries a round keeps after verification, in order."""
+        return [0, *(node + 1 for node in nodes)]
+
     def __len__(self) -> int:
         return len(self.parents)
 
@@ -134,8 +150,8 @@ class Tree:
         """Root-to-leaf paths (node indices, root excluded), in leaf index order."""
         return [self.path_to(leaf) for leaf in self.leaves]
 
-    def ancestor_mask(self) -> torch.Tensor:
-        """(n, n) bool: [i, j] is True when j is i or an ancestor of i."""
+    @cached_property
+    def _ancestors(self) -> torch.Tensor:
         n = len(self)
         mask = torch.zeros(n, n, dtype=torch.bool)
         for i, p in enumerate(self.parents):
@@ -144,14 +160,22 @@ class Tree:
             mask[i, i] = True
         return mask
 
+    def ancestor_mask(self) -> torch.Tensor:
+        """(n, n) bool: [i, j] is True when j is i or an ancestor of i."""
+        return self._ancestors.clone()
+
     def position_offsets(self) -> torch.Tensor:
         """(n,) int64: depth of each node, added to the root's position."""
         return torch.tensor(self.depth, dtype=torch.long)
+
+    def position_offsets_with_root(self) -> torch.Tensor:
+        """(n + 1,) int64 by row: 0 for the root, then the depth of each node."""
+        return torch.tensor([0, *self.depth], dtype=torch.long)
 
     def attention_mask_with_root(self) -> torch.Tensor:
         """(n + 1, n + 1) bool over [root, nodes]: each node sees the root, its ancestors and itself."""
         n = len(self)
         mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
         mask[:, 0] = True
-        mask[1:, 1:] = self.ancestor_mask()
+        mask[1:, 1:] = self._ancestors
         return mask

@@ -75,6 +75,40 @@ class Eagle3Attention(nn.Module):
         b, _, t, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
+    def attend_diagonal(
+        self,
+        q: torch.Tensor,
+        k0: torch.Tensor,
+        v0: torch.Tensor,
+        diag_k: Sequence[torch.Tensor],
+        diag_v: Sequence[torch.Tensor],
+        valid_keys: torch.Tensor,
+    ) -> torch.Tensor:
+        """The training-time test's attention at step s, for every position j at once.
+
+        q (B, nh, T, hd); k0/v0 (B, nkv, T, hd): the step-0 entries, seen causally (positions <= j,
+        limited to ``valid_keys`` (B, T) bool); diag_k/diag_v: s tensors (B, nkv, T, hd), the entries of
+        steps 1..s at the same position j (the diagonal). Equals :meth:`attend` over the committed pairs
+        and a node's ancestors in decoding. Returns (B, T, H) after o_proj."""
+        groups = self.num_heads // self.num_kv_heads
+
+        def rep(t):
+            return t.repeat_interleave(groups, dim=1) if groups > 1 else t
+
+        scale = 1.0 / self.head_dim**0.5
+        t = q.shape[2]
+        scores = torch.matmul(q, rep(k0).transpose(-1, -2)) * scale  # (B, nh, T, T)
+        causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+        visible = causal[None, None] & valid_keys[:, None, None, :]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        diag = [(q * rep(k)).sum(-1, keepdim=True) * scale for k in diag_k]  # each (B, nh, T, 1)
+        probs = torch.softmax(torch.cat([scores, *diag], dim=-1), dim=-1)
+        out = torch.matmul(probs[..., :t], rep(v0))
+        for i, v in enumerate(diag_v):
+            out = out + probs[..., t + i : t + i + 1] * rep(v)
+        b = out.shape[0]
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
 
 class Eagle3DecoderLayer(nn.Module):
     """The single EAGLE-3 layer: norm(embedding) ++ norm(feature) -> attention -> MLP."""
@@ -208,19 +242,23 @@ class Eagle3DraftModel(nn.Module):
         hidden: torch.Tensor,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        past_kv: tuple[torch.Tensor, torch.Tensor] | None,
+        cache,
         mask: torch.Tensor,
     ):
-        """One draft step over T new inputs.
+        """The head's one forward over T new inputs: embed + norms, attention over ``cache``, MLP, norm,
+        logits. Drafting (catch-up, tree levels, ``follow``) and the training-time test both call it.
 
-        hidden (B, T, H): fused target features or the head's own previous outputs; input_ids (B, T):
-        target ids of the next tokens; position_ids (B, T); past_kv: keys/values (B, nkv, S, hd) of
-        visible earlier entries or None; mask (B or 1, 1, T, S + T) bool over [past, new].
-        Returns (out_hidden (B, T, H), logits (B, T, draft_vocab), (k_new, v_new)).
+        hidden (B, T, H): fused target features (:meth:`fuse`) or the head's own previous outputs;
+        input_ids (B, T): target ids of the next tokens; position_ids (B, T). cache: None (attend over
+        the new entries only) or an object whose ``attend(attn, q, k, v, mask)`` stores the new keys and
+        values and returns ``attn``'s output over what is visible (the draft cache of decoding, the
+        diagonal store of training); mask: the visibility that this cache expects, for None a bool
+        (B or 1, 1, T, T). Returns (out_hidden (B, T, H), logits (B, T, draft_vocab), (k_new, v_new)).
         """
         q, k, v = self.project(hidden, input_ids, position_ids)
-        k_all, v_all = (k, v) if past_kv is None else (torch.cat([past_kv[0], k], 2), torch.cat([past_kv[1], v], 2))
-        out = self.midlayer.finish(hidden, self.midlayer.self_attn.attend(q, k_all, v_all, mask))
+        attn = self.midlayer.self_attn
+        attn_out = attn.attend(q, k, v, mask) if cache is None else cache.attend(attn, q, k, v, mask)
+        out = self.midlayer.finish(hidden, attn_out)
         return out, self.logits(out), (k, v)
 
     def logits(self, out_hidden: torch.Tensor) -> torch.Tensor:

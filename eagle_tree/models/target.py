@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from eagle_tree.core.tree import Tree
+from eagle_tree.models.cache import MIN_CAPACITY, TargetCache
 
 SUPPORTED_ATTENTION = ("eager", "sdpa")
 REQUIRED_FORWARD_INPUTS = ("attention_mask", "position_ids", "cache")
@@ -166,11 +167,10 @@ class TargetModel:
 
     # ----------------------------------------------------------------------------------------- cache
 
-    def new_cache(self):
-        """An empty DynamicCache of plain (full) layers; it fills lazily on the first forward."""
-        from transformers import DynamicCache
-
-        return DynamicCache()
+    def new_cache(self, capacity: int = MIN_CAPACITY) -> TargetCache:
+        """An empty preallocated cache of ``capacity`` entries per layer (grown geometrically if a
+        forward needs more); its buffers are allocated on the first forward."""
+        return TargetCache(self.num_layers, capacity)
 
     @staticmethod
     def cache_length(cache) -> int:
@@ -179,21 +179,25 @@ class TargetModel:
     def compact_cache(self, cache, start: int, keep: Sequence[int]) -> None:
         """Move the entries at ``start + keep[j]`` to ``start + j`` in every layer, then crop the cache
         to ``start + len(keep)``. ``keep`` is strictly ascending (so ``keep[j] >= j``), e.g.
-        ``[0, 1 + a1, 1 + a2, ...]`` for the root and the accepted nodes ``a1 < a2 < ...`` after
-        ``verify``. Only entries that actually move are gathered."""
-        from transformers.cache_utils import DynamicLayer
-
+        ``Tree.cache_rows(accepted)`` for the root and the accepted nodes after ``verify``. Only entries
+        that actually move are gathered. Works on a :class:`TargetCache` (one in-place gather per layer)
+        and on a ``DynamicCache`` of plain layers."""
         keep = [int(k) for k in keep]
         length = self.cache_length(cache)
         if any(b <= a for a, b in zip(keep, keep[1:], strict=False)) or (keep and keep[0] < 0):
             raise ValueError(f"keep must be strictly ascending non-negative offsets, got {keep}")
         if not 0 <= start <= length or (keep and start + keep[-1] >= length):
             raise ValueError(f"start={start} with keep={keep} is outside the cache of length {length}")
+        if isinstance(cache, TargetCache):
+            cache.compact(start, keep)
+            return
+        from transformers.cache_utils import DynamicLayer
+
         for i, layer in enumerate(cache.layers):
             if type(layer) is not DynamicLayer:
                 raise TypeError(
-                    f"cache layer {i} is a {type(layer).__name__}; compact_cache handles plain DynamicLayer "
-                    "entries only: make caches with TargetModel.new_cache()"
+                    f"cache layer {i} is a {type(layer).__name__}; compact_cache handles TargetCache and plain "
+                    "DynamicLayer entries only: make caches with TargetModel.new_cache()"
                 )
         first_move = next((j for j, k in enumerate(keep) if k != j), len(keep))
         src = torch.tensor(keep[first_move:], dtype=torch.long)
@@ -276,22 +280,33 @@ class TargetModel:
         return self.forward(input_ids, cache)
 
     def verify(self, root_token: int, tree: Tree, cache) -> TargetOutput:
-        """One forward over [root, tree.tokens] (T = n + 1) under the tree mask.
+        """One forward over [root, tree.tokens] (T = n + 1, rows as in ``Tree.row``) under the tree mask.
 
         With ``past`` = cache length (the committed prefix minus the root), the root sits at position
         ``past`` and node i at ``past + depth(i)``; every query sees the whole cache (within the sliding
-        window, if any), the root, its ancestors and itself. The cache grows by n + 1 entries.
+        window, if any), the root, its ancestors and itself. The cache grows by n + 1 entries. The mask
+        is written into the cache's mask buffer when the cache is a :class:`TargetCache`.
         """
-        past = self.cache_length(cache)
+        past, t = self.cache_length(cache), len(tree) + 1
         input_ids = torch.tensor([[int(root_token), *tree.tokens]], dtype=torch.long)  # (1, T)
-        offsets = torch.cat([torch.zeros(1, dtype=torch.long), tree.position_offsets()])  # (T,)
-        positions = (past + offsets).to(self.device)  # (T,)
-        visible = torch.ones(len(positions), past + len(positions), dtype=torch.bool, device=self.device)
-        visible[:, past:] = tree.attention_mask_with_root()  # (T, past + T): the cache, then the tree
+        if t == 1 and self.sliding_window is None:  # plain decoding: the root sees the whole cache
+            return self.forward(input_ids, cache)
+        offsets = tree.position_offsets_with_root()  # (T,) on the host
+        positions = past + offsets
+        hidden = ~tree.attention_mask_with_root()  # (T, T) over [root, nodes]
         if self.sliding_window is not None:
-            key_positions = torch.cat([torch.arange(past, device=self.device), positions])  # (past + T,)
-            visible &= key_positions[None, :] > positions[:, None] - self.sliding_window
-        mask = _additive_mask(visible, self.dtype)[None, None]  # (1, 1, T, past + T)
+            key_positions = torch.cat([torch.arange(past), positions])  # (past + T,)
+            outside = key_positions[None, :] <= positions[:, None] - self.sliding_window
+            outside[:, past:] |= hidden
+            hidden, first = outside, 0
+        else:
+            first = past  # the committed prefix is visible to every row
+        if isinstance(cache, TargetCache):
+            mask = cache.mask(t, past + t, self.dtype, self.device)  # (1, 1, T, past + T) additive float
+        else:
+            mask = torch.empty(1, 1, t, past + t, dtype=self.dtype, device=self.device)
+        mask.zero_()
+        mask[0, 0, :, first:].masked_fill_(hidden.to(self.device, non_blocking=True), float("-inf"))
         return self.forward(input_ids, cache, position_ids=positions[None], attention_mask=mask)
 
 

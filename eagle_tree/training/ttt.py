@@ -17,7 +17,6 @@ draft vocabulary: they are left out of the loss and of the accuracy (the head ca
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -35,28 +34,25 @@ class TTTOutput:
     logits: list[torch.Tensor]  # per step (B, T, Vd), for tests
 
 
-def _diag_attention(attn, q, k0, v0, diag_k, diag_v, valid_keys):
-    """Step-s attention. q (B, nh, T, hd); k0/v0 (B, nkv, T, hd) step-0 entries (causal prefix);
-    diag_k/diag_v: lists of (B, nkv, T, hd), the entries of steps 1..s at the same position.
-    valid_keys (B, T) bool. Returns (B, T, H) after o_proj."""
-    groups = attn.num_heads // attn.num_kv_heads
+class DiagonalStore:
+    """The keys and values the training-time test has computed so far, as the head's ``step`` reads a
+    cache: step 0's entries (the real-feature prefix, seen causally) and one entry per later step at
+    each position (the diagonal). ``attend`` stores the new entries and runs the attention module's
+    ``attend_diagonal``; its mask is the (B, T) bool of valid (unpadded) keys."""
 
-    def rep(t):
-        return t.repeat_interleave(groups, dim=1) if groups > 1 else t
+    def __init__(self) -> None:
+        self.k0: torch.Tensor | None = None
+        self.v0: torch.Tensor | None = None
+        self.diag_k: list[torch.Tensor] = []
+        self.diag_v: list[torch.Tensor] = []
 
-    scale = 1.0 / math.sqrt(attn.head_dim)
-    t = q.shape[2]
-    scores = torch.matmul(q, rep(k0).transpose(-1, -2)) * scale  # (B, nh, T, T)
-    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-    visible = causal[None, None] & valid_keys[:, None, None, :]
-    scores = scores.masked_fill(~visible, float("-inf"))
-    diag = [(q * rep(k)).sum(-1, keepdim=True) * scale for k in diag_k]  # each (B, nh, T, 1)
-    probs = torch.softmax(torch.cat([scores, *diag], dim=-1), dim=-1)
-    out = torch.matmul(probs[..., :t], rep(v0))
-    for i, v in enumerate(diag_v):
-        out = out + probs[..., t + i : t + i + 1] * rep(v)
-    b = out.shape[0]
-    return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+    def attend(self, attn, q, k, v, valid_keys: torch.Tensor) -> torch.Tensor:
+        if self.k0 is None:
+            self.k0, self.v0 = k, v
+        else:
+            self.diag_k.append(k)
+            self.diag_v.append(v)
+        return attn.attend_diagonal(q, self.k0, self.v0, self.diag_k, self.diag_v, valid_keys)
 
 
 def target_distribution(draft: Eagle3DraftModel, target_logits: torch.Tensor):
@@ -85,11 +81,8 @@ def ttt_forward(
     lengths = torch.full((b,), t, device=device) if lengths is None else lengths.to(device)
     valid_keys = ar[None] < lengths[:, None]  # (B, T)
     p_all, in_draft = target_distribution(draft, target_logits)
-    attn = draft.midlayer.self_attn
     hidden = draft.fuse(features)
-    k0 = v0 = None
-    diag_k: list[torch.Tensor] = []
-    diag_v: list[torch.Tensor] = []
+    store = DiagonalStore()
     total = hidden.new_zeros(())
     out = TTTOutput(total, [], [], [], [])
     for s in range(steps):
@@ -97,15 +90,7 @@ def ttt_forward(
         src = (ar + 1 + s).clamp(max=t - 1)
         tokens = input_ids.gather(1, src[None].expand(b, t))
         positions = (ar + s)[None].expand(b, t)
-        q, k, v = draft.project(hidden, tokens, positions)
-        if s == 0:
-            k0, v0 = k, v
-        else:
-            diag_k.append(k)
-            diag_v.append(v)
-        attn_out = _diag_attention(attn, q, k0, v0, diag_k, diag_v, valid_keys)
-        hidden = draft.midlayer.finish(hidden, attn_out)
-        logits = draft.logits(hidden)  # (B, T, Vd)
+        hidden, logits, _ = draft.step(hidden, tokens, positions, store, valid_keys)  # logits (B, T, Vd)
         out.logits.append(logits)
 
         tgt = (ar + 2 + s).clamp(max=t - 1)
