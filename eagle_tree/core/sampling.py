@@ -51,17 +51,14 @@ def greedy_token(logits: torch.Tensor) -> torch.Tensor:
     return torch.where(is_max, ids, logits.shape[-1]).min(dim=-1).values
 
 
-def processed_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
-    """Logits (..., V) -> processed next-token distribution (..., V), float32, rows sum to 1."""
-    if logits.dim() == 0:
-        raise ValueError("logits must have a vocabulary dimension, got a scalar")
+def processed_probs(logits: torch.Tensor, sampling: SamplingConfig, check: bool = True) -> torch.Tensor:
+    """Logits (..., V) -> processed next-token distribution (..., V), float32, rows sum to 1.
+
+    ``check=False`` skips the input checks (NaN, +inf, rows of -inf), each a host synchronisation:
+    for internal callers whose logits come from a model already checked once per call."""
+    if check:
+        _check_logits(logits)
     logits = logits.float()
-    if torch.isnan(logits).any():
-        raise ValueError("logits contain NaN; the model produced invalid scores")
-    if (logits == float("inf")).any():
-        raise ValueError("logits contain +inf; the model produced invalid scores")
-    if (logits == float("-inf")).all(dim=-1).any():
-        raise ValueError("a row of logits is entirely -inf; no token can be sampled")
     if sampling.greedy:
         return torch.nn.functional.one_hot(greedy_token(logits), logits.shape[-1]).float()
 
@@ -84,3 +81,14 @@ def processed_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Ten
 def sample_token(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """Draw one token id from a distribution (V,) with the caller's generator."""
     return int(torch.multinomial(probs.double(), 1, generator=generator).item())
+
+
+def _check_logits(logits: torch.Tensor) -> None:
+    if logits.dim() == 0:
+        raise ValueError("logits must have a vocabulary dimension, got a scalar")
+    if torch.isnan(logits).any():
+        raise ValueError("logits contain NaN; the model produced invalid scores")
+    if (logits == float("inf")).any():
+        raise ValueError("logits contain +inf; the model produced invalid scores")
+    if (logits == float("-inf")).all(dim=-1).any():
+        raise ValueError("a row of logits is entirely -inf; no token can be sampled")

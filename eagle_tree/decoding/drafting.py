@@ -13,11 +13,18 @@ Sampled trees (``sampled=True``): each expanded node draws ``top_k`` children wi
 from its processed draft distribution ``q`` (Gumbel-top-k, from the drafter's own generator), and no
 sampled child is ever pruned; whole levels are dropped only by a rule fixed by the config. They
 are verified with the "without_replacement" rule. Both kinds are exact (EXACTNESS.md).
+
+Growth is tensor work: per level one sort of the previous level's scores picks the frontier, one head
+forward feeds it, one top-k (or one Gumbel-top-k draw from the drafter's generator) over the whole
+frontier creates the children; scores, parents, tokens, ancestors and output features live in tensors
+allocated once per drafter, the visibility of a level is read from the ancestor matrix, and the final
+tree goes to the host in one transfer per round.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -84,6 +91,7 @@ class DraftCache:
 
     ``append`` writes at the end, ``crop`` forgets the tail: tree nodes are appended while drafting
     and cropped afterwards, so the cache keeps only entries of committed pairs between rounds.
+    ``attend`` is what the head's ``step`` calls: append the new entries, attend over all of them.
     """
 
     def __init__(self) -> None:
@@ -111,13 +119,78 @@ class DraftCache:
     def view(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[:, :, : self.length], self.v[:, :, : self.length]
 
+    def attend(self, attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Append k/v (1, n_kv, T, hd), then ``attn.attend`` over the cache; mask (1, 1, T, S_after) bool."""
+        self.append(k, v)
+        return attn.attend(q, *self.view(), mask)
+
+
+@runtime_checkable
+class DrafterProtocol(Protocol):
+    """What SpeculativeDecoder needs from a drafter.
+
+    ``reset()`` starts a new sequence; ``catch_up(features, next_tokens)`` consumes committed pairs:
+    target features (1, m, 3H) of m committed positions and the tokens that follow them (1, m);
+    ``propose(sampling, generator)`` returns a Proposal below the last committed token, drawing any
+    randomness from ``generator`` only."""
+
+    def reset(self) -> None: ...
+
+    def catch_up(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None: ...
+
+    def propose(self, sampling: SamplingConfig, generator: torch.Generator | None = None) -> Proposal: ...
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Static shape of a tree's growth: children per node ``k``; per level below the root, the range
+    [lo, hi) of the nodes it creates and the frontier width fed to make them."""
+
+    k: int
+    levels: tuple[tuple[int, int, int], ...]  # (lo, hi, frontier width)
+
+    @classmethod
+    def of(cls, cfg: TreeConfig, draft_vocab: int, sampled: bool) -> _Plan:
+        k = min(cfg.top_k, draft_vocab)
+        levels, hi = [(0, k, 1)], k
+        for _ in range(1, cfg.depth):
+            lo, prev_hi, _ = levels[-1]
+            width = min(cfg.top_k, prev_hi - lo)
+            if sampled and hi + width * cfg.top_k > cfg.total_tokens:
+                break  # sampled trees drop whole levels, by a rule fixed by the config
+            levels.append((hi, hi + width * k, width))
+            hi += width * k
+        return cls(k, tuple(levels))
+
+    @property
+    def nodes(self) -> int:
+        return self.levels[-1][1]
+
+
+class _Buffers:
+    """Per-drafter tensors of one tree's growth (node i at index i, the root at row 0 of the (n + 1)
+    tables, as in ``Tree.row``); every entry read in a round is written in that round first."""
+
+    def __init__(self, n: int, hidden_size: int, draft_vocab: int, dtype: torch.dtype, device: torch.device):
+        self.score = torch.empty(n, device=device)  # cumulative draft log-probability
+        self.parent = torch.empty(n, dtype=torch.long, device=device)  # -1 = the root
+        self.token = torch.empty(n, dtype=torch.long, device=device)  # draft-vocabulary id
+        self.live = torch.empty(n, dtype=torch.bool, device=device)  # False: a draw past q's support
+        self.ancestors = torch.zeros(n + 1, n, dtype=torch.bool, device=device)  # by row: itself + ancestors
+        self.out = torch.empty(n + 1, hidden_size, dtype=dtype, device=device)  # the head's output by row
+        self.expanded = torch.zeros(n + 1, dtype=torch.bool, device=device)  # by row
+        self.q = torch.empty(n + 1, draft_vocab, device=device)  # by row: the law of the children
+        self.nodes = torch.arange(n, device=device)
+
 
 class Drafter:
-    """Runs an Eagle3DraftModel over committed pairs and grows draft trees from the last one."""
+    """Runs an Eagle3DraftModel over committed pairs and grows draft trees from the last one
+    (implements DrafterProtocol)."""
 
     def __init__(self, draft: Eagle3DraftModel, tree: TreeConfig):
         self.draft = draft
         self.config = tree
+        self._buffers: _Buffers | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -126,13 +199,9 @@ class Drafter:
         self.last_logits: torch.Tensor | None = None  # (Vd,)
 
     def _forward(self, hidden, input_ids, position_ids, visible):
-        """Append the new entries to the cache, attend over it. visible (T, S_after) bool."""
-        d = self.draft
-        q, k, v = d.project(hidden, input_ids, position_ids)
-        self.cache.append(k, v)
-        k_all, v_all = self.cache.view()
-        out = d.midlayer.finish(hidden, d.midlayer.self_attn.attend(q, k_all, v_all, visible[None, None]))
-        return out, d.logits(out)
+        """One head step over the draft cache. visible (1, 1, T, S_after) bool. Returns (out, logits)."""
+        out, logits, _ = self.draft.step(hidden, input_ids, position_ids, self.cache, visible)
+        return out, logits
 
     @torch.no_grad()
     def catch_up(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
@@ -142,7 +211,7 @@ class Drafter:
         hidden = self.draft.fuse(features.to(self.draft.fc.weight.dtype))
         positions = torch.arange(start, start + m, device=features.device)[None]
         visible = torch.ones(m, start + m, dtype=torch.bool, device=features.device).tril(start)
-        out, logits = self._forward(hidden, next_tokens, positions, visible)
+        out, logits = self._forward(hidden, next_tokens, positions, visible[None, None])
         self.last_hidden, self.last_logits = out[:, -1:], logits[0, -1].float()
 
     @torch.no_grad()
@@ -155,12 +224,19 @@ class Drafter:
             for depth, token in enumerate(tokens, start=1):
                 ids = torch.tensor([[token]], device=hidden.device)
                 pos = torch.tensor([[committed - 1 + depth]], device=hidden.device)
-                visible = torch.ones(1, self.cache.length + 1, dtype=torch.bool, device=hidden.device)
+                visible = torch.ones(1, 1, 1, self.cache.length + 1, dtype=torch.bool, device=hidden.device)
                 hidden, step_logits = self._forward(hidden, ids, pos, visible)
                 logits.append(step_logits[0, -1].float())
         finally:
             self.cache.crop(committed)
         return logits
+
+    def _buffers_for(self, plan: _Plan) -> _Buffers:
+        b, hidden = self._buffers, self.last_hidden
+        if b is None or b.score.shape[0] < plan.nodes or b.out.device != hidden.device:
+            vocab = self.draft.config.draft_vocab_size
+            b = self._buffers = _Buffers(plan.nodes, hidden.shape[-1], vocab, hidden.dtype, hidden.device)
+        return b
 
     @torch.no_grad()
     def propose(self, sampling: SamplingConfig, generator: torch.Generator | None = None) -> Proposal:
@@ -169,116 +245,103 @@ class Drafter:
             raise RuntimeError("catch_up must run before propose")
         cfg = self.config
         sampled = cfg.sampled and not sampling.greedy
+        plan = _Plan.of(cfg, self.draft.config.draft_vocab_size, sampled)
+        b = self._buffers_for(plan)
         committed = self.cache.length
         try:
-            grown = _TreeGrowth(self, sampling if sampled else None, generator)
-            parents, tokens, q_rows = grown.run()
+            growth = _Growth(self, b, plan, sampling if sampled else None, generator)
+            keep = growth.run()
         finally:
             self.cache.crop(committed)
+        return self._proposal(b, keep, sampled, sampling)
+
+    def _proposal(self, b: _Buffers, keep: torch.Tensor, sampled: bool, sampling: SamplingConfig) -> Proposal:
+        """The kept nodes (ascending creation indices) as a Tree in target ids: one host transfer."""
+        n = keep.shape[0]
+        index = torch.full_like(b.parent, -1)
+        index[keep] = torch.arange(n, device=keep.device)
+        parent = b.parent[keep]
+        parent = torch.where(parent >= 0, index[parent.clamp_min(0)], parent)
         d2t = self.draft.draft_to_target
-        target_tokens = d2t[torch.as_tensor(tokens, dtype=torch.long, device=d2t.device)].tolist()
+        parents, tokens = torch.stack([parent, d2t[b.token[keep]]]).tolist()
         draft_probs = None
         if sampled:
-            vocab = self.draft.config.vocab_size
-            draft_probs = torch.zeros(len(tokens) + 1, vocab, dtype=torch.float32)
-            for row, q in q_rows.items():
-                draft_probs[row, d2t.cpu()] = q.cpu()
-        return Proposal(Tree(parents, target_tokens), draft_probs, cfg.rule(sampling))
+            rows = torch.cat([keep.new_zeros(1), keep + 1])  # Tree.row of the root and of the kept nodes
+            q = torch.where(b.expanded[rows, None], b.q[rows], 0.0)  # nodes without children carry no law
+            draft_probs = q.new_zeros(n + 1, self.draft.config.vocab_size)
+            draft_probs[:, d2t] = q
+        return Proposal(Tree(parents, tokens), draft_probs, self.config.rule(sampling))
 
 
-class _TreeGrowth:
-    """One tree expansion: state kept in lists of nodes in creation order (parents first)."""
+class _Growth:
+    """One tree expansion over the drafter's buffers, level by level, without host round trips."""
 
-    def __init__(self, drafter: Drafter, sampling: SamplingConfig | None, generator):
-        self.d = drafter
+    def __init__(self, drafter: Drafter, buffers: _Buffers, plan: _Plan, sampling: SamplingConfig | None,
+                 generator):
+        self.d, self.b, self.plan = drafter, buffers, plan
         self.cfg = drafter.config
         self.sampling = sampling  # None: deterministic top-k children
         self.generator = generator
-        self.parent: list[int] = []  # creation index of the parent, -1 for the root
-        self.token: list[int] = []  # draft-vocabulary id
-        self.score: list[float] = []  # cumulative log-probability under the draft
-        self.depth: list[int] = []
-        self.q: dict[int, torch.Tensor] = {}  # creation index (-1 = root) -> q over the draft vocab
-        self.slot: dict[int, int] = {}  # creation index -> position of its entry in the draft cache
 
-    def expand(self, nodes: list[int], logits: torch.Tensor) -> list[int]:
-        """Create the children of ``nodes`` (-1 = the root) from their draft logits (F, Vd); return
-        their creation indices. Deterministic trees take every node's top-k in one call; sampled
-        trees draw node by node, so the generator is consumed in node order."""
-        k = min(self.cfg.top_k, logits.shape[-1])
+    def expand(self, parents: torch.Tensor | None, logits: torch.Tensor, start: int) -> None:
+        """Create the children of ``parents`` (F,) creation indices (None: the root) from their draft
+        logits (F, Vd) at creation indices ``start..start + F * k - 1``, node by node, each node's
+        children in proposal order. Deterministic: every node's top-k. Sampled: Gumbel-top-k, up to k
+        children drawn without replacement from each node's processed q, one draw for the level."""
+        b, k = self.b, self.plan.k
+        rows = torch.zeros(1, dtype=torch.long, device=logits.device) if parents is None else parents + 1
         logp = torch.log_softmax(logits.float(), dim=-1)
-        bases = [0.0 if node == -1 else self.score[node] for node in nodes]
         if self.sampling is None:
-            top = torch.topk(logp, k, dim=-1)
-            rows = zip(top.indices.tolist(), top.values.tolist(), strict=True)
+            child_logp, ids = torch.topk(logp, k, dim=-1)  # (F, k)
+            live = None
         else:
-            rows = (self._draw(node, logits[j], logp[j], k) for j, node in enumerate(nodes))
-        return [c for node, base, (ids, child_logp) in zip(nodes, bases, rows, strict=True)
-                for c in self._add(node, ids, child_logp, base)]
+            q = processed_probs(logits, self.sampling, check=False)  # (F, Vd)
+            b.q[rows] = q
+            u = torch.rand(q.shape, generator=self.generator).clamp_min(1e-20)
+            gumbel = -torch.log(-torch.log(u)).to(q.device)
+            keys = torch.where(q > 0, q.log() + gumbel, float("-inf"))
+            drawn, ids = torch.topk(keys, k, dim=-1)  # decreasing keys = the order drawn
+            child_logp = logp.gather(1, ids)
+            live = drawn > float("-inf")  # past the support of q: no child
+        b.expanded[rows] = True
+        made = slice(start, start + ids.numel())
+        base = 0.0 if parents is None else b.score[parents][:, None]
+        b.score[made] = (base + child_logp).flatten()
+        b.token[made] = ids.flatten()
+        parent_rows = rows.repeat_interleave(k)
+        b.parent[made] = parent_rows - 1
+        if live is None:
+            b.live[made] = True
+        else:
+            b.live[made] = (live & (True if parents is None else b.live[parents][:, None])).flatten()
+        b.ancestors[start + 1 : made.stop + 1] = b.ancestors[parent_rows]
+        b.ancestors[start + 1 : made.stop + 1, made] |= torch.eye(ids.numel(), dtype=torch.bool, device=ids.device)
 
-    def _draw(self, node: int, logits: torch.Tensor, logp: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
-        """Gumbel-top-k: up to ``k`` children drawn without replacement from the processed q of ``node``."""
-        q = processed_probs(logits, self.sampling)
-        self.q[node] = q
-        gumbel = -torch.log(-torch.log(torch.rand(q.shape, generator=self.generator).clamp_min(1e-20)))
-        keys = torch.where(q > 0, q.log() + gumbel.to(q.device), float("-inf"))
-        drawn = torch.topk(keys, min(k, int((q > 0).sum()))).indices  # decreasing keys = the order drawn
-        return drawn.tolist(), logp[drawn].tolist()
-
-    def _add(self, node: int, ids: list[int], child_logp: list[float], base: float) -> list[int]:
-        made = []
-        for t, lp in zip(ids, child_logp, strict=True):
-            self.parent.append(node)
-            self.token.append(t)
-            self.score.append(base + lp)
-            self.depth.append(1 if node == -1 else self.depth[node] + 1)
-            made.append(len(self.token) - 1)
-        return made
-
-    def run(self):
-        cfg, d = self.cfg, self.d
-        level = self.expand([-1], d.last_logits[None])
-        base_pos = d.cache.length - 1  # position of the last committed pair
-        out_hidden: dict[int, torch.Tensor] = {-1: d.last_hidden[0, 0]}
-        n_limit = cfg.total_tokens
-        for depth in range(1, cfg.depth):
-            frontier = sorted(level, key=lambda i: -self.score[i])[: cfg.top_k]
-            frontier.sort()
-            if self.sampling is not None and len(self.token) + len(frontier) * cfg.top_k > n_limit:
-                break  # sampled trees drop whole levels, by a rule fixed by the config
-            hidden = torch.stack([out_hidden[self.parent[i]] for i in frontier])[None]  # (1, F, H)
-            ids = d.draft.draft_to_target[torch.tensor([self.token[i] for i in frontier])][None]
-            positions = torch.full((1, len(frontier)), base_pos + depth, dtype=torch.long)
-            visible = self._visible(frontier)
-            out, logits = d._forward(hidden, ids.to(hidden.device), positions.to(hidden.device), visible)
-            for j, node in enumerate(frontier):
-                out_hidden[node] = out[0, j]
-            level = self.expand(frontier, logits[0])
-        keep = self._select()
-        index = {node: i for i, node in enumerate(keep)}
-        parents = [-1 if self.parent[n] == -1 else index[self.parent[n]] for n in keep]
-        tokens = [self.token[n] for n in keep]
-        q_rows = {0 if node == -1 else index[node] + 1: q for node, q in self.q.items() if node == -1 or node in index}
-        return parents, tokens, q_rows
-
-    def _visible(self, frontier: list[int]) -> torch.Tensor:
-        """(F, S + F) bool: committed pairs, the node's fed ancestors, itself. Records cache slots."""
-        start = self.d.cache.length
-        visible = torch.zeros(len(frontier), start + len(frontier), dtype=torch.bool)
-        visible[:, : self.d.cache.length - len(self.slot)] = True
-        for j, node in enumerate(frontier):
-            a = self.parent[node]
-            while a != -1:
-                visible[j, self.slot[a]] = True
-                a = self.parent[a]
-            self.slot[node] = start + j
-            visible[j, start + j] = True
-        return visible.to(self.d.last_hidden.device)
-
-    def _select(self) -> list[int]:
-        """Nodes to keep, in creation order (parents first, siblings in proposal order)."""
-        n = len(self.token)
-        if self.sampling is not None:
-            return list(range(n))
-        order = sorted(range(n), key=lambda i: (-self.score[i], i))[: self.cfg.total_tokens]
-        return sorted(order)
+    def run(self) -> torch.Tensor:
+        """Grow the planned levels; return the kept nodes' creation indices, ascending."""
+        d, b, plan = self.d, self.b, self.plan
+        b.expanded.zero_()
+        b.out[0] = d.last_hidden[0, 0]
+        self.expand(None, d.last_logits[None], 0)
+        committed = d.cache.length
+        base_pos = committed - 1  # position of the last committed pair
+        device = d.last_hidden.device
+        fed = b.nodes[:0]
+        for depth, (lo, hi, width) in enumerate(plan.levels[1:], start=1):
+            prev_lo, prev_hi, _ = plan.levels[depth - 1]
+            key = b.score[prev_lo:prev_hi].masked_fill(~b.live[prev_lo:prev_hi], float("-inf"))
+            frontier = torch.sort(key, descending=True, stable=True).indices[:width].sort().values + prev_lo
+            fed = torch.cat([fed, frontier])  # the cache entries after the committed pairs, in order
+            visible = torch.ones(1, 1, width, committed + fed.shape[0], dtype=torch.bool, device=device)
+            visible[0, 0, :, committed:] = b.ancestors[frontier + 1][:, fed]
+            hidden = b.out[b.parent[frontier] + 1][None]  # (1, F, H): the parents' outputs
+            ids = d.draft.draft_to_target[b.token[frontier]][None]
+            positions = torch.full((1, width), base_pos + depth, dtype=torch.long, device=device)
+            out, logits = d._forward(hidden, ids, positions, visible)
+            b.out[frontier + 1] = out[0]
+            self.expand(frontier, logits[0], lo)
+        n = plan.nodes
+        if self.sampling is not None:  # sampled trees keep every child they draw
+            return b.nodes[:n][b.live[:n]]
+        order = torch.sort(b.score[:n], descending=True, stable=True).indices[: self.cfg.total_tokens]
+        return order.sort().values  # creation order: parents first, siblings in proposal order

@@ -249,15 +249,20 @@ class Eagle3DraftModel(nn.Module):
         logits. Drafting (catch-up, tree levels, ``follow``) and the training-time test both call it.
 
         hidden (B, T, H): fused target features (:meth:`fuse`) or the head's own previous outputs;
-        input_ids (B, T): target ids of the next tokens; position_ids (B, T). cache: None (attend over
-        the new entries only) or an object whose ``attend(attn, q, k, v, mask)`` stores the new keys and
-        values and returns ``attn``'s output over what is visible (the draft cache of decoding, the
-        diagonal store of training); mask: the visibility that this cache expects, for None a bool
-        (B or 1, 1, T, T). Returns (out_hidden (B, T, H), logits (B, T, draft_vocab), (k_new, v_new)).
+        input_ids (B, T): target ids of the next tokens; position_ids (B, T). cache: an object whose
+        ``attend(attn, q, k, v, mask)`` stores the new keys and values and returns ``attn``'s output
+        over what is visible (the draft cache of decoding, the diagonal store of training), or a tuple
+        (k, v) (B, nkv, S, hd) of earlier entries, or None; mask: the visibility that this cache
+        expects, for a tuple or None a bool (B or 1, 1, T, S + T) over [earlier, new].
+        Returns (out_hidden (B, T, H), logits (B, T, draft_vocab), (k_new, v_new)).
         """
         q, k, v = self.project(hidden, input_ids, position_ids)
         attn = self.midlayer.self_attn
-        attn_out = attn.attend(q, k, v, mask) if cache is None else cache.attend(attn, q, k, v, mask)
+        if cache is None or isinstance(cache, tuple):
+            k_all, v_all = (k, v) if cache is None else (torch.cat([cache[0], k], 2), torch.cat([cache[1], v], 2))
+            attn_out = attn.attend(q, k_all, v_all, mask)
+        else:
+            attn_out = cache.attend(attn, q, k, v, mask)
         out = self.midlayer.finish(hidden, attn_out)
         return out, self.logits(out), (k, v)
 
