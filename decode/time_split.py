@@ -129,7 +129,7 @@ def main(argv=None) -> None:
               "other share", "round ms", "ms/token", "speed-up")
     print("| " + " | ".join(header) + " |")
     print("|" + "|".join("---" for _ in header) + "|")
-    summaries = {name: summarize(name, args.temperature, outs, depth=max(1, (shapes[name] or TreeConfig.chain(1)).depth))
+    summaries = {name: summarize(name, args.temperature, outs, depth=(shapes[name] or TreeConfig.chain(1)).depth)
                  for name, outs in outputs.items()}
     step_ms = 1e3 * summaries["plain"].verify_s_per_round
     plain_tpot = summaries["plain"].time_per_output_token_s

@@ -15,6 +15,7 @@ speed-up denominator uses the same cache code.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -23,7 +24,7 @@ from eagle_tree.core.sampling import SamplingConfig, processed_probs
 from eagle_tree.core.tree import Tree
 from eagle_tree.core.verify import sample_token, verify_tree
 from eagle_tree.decoding.context import ContextDrafter
-from eagle_tree.decoding.drafting import Drafter, Proposal, TreeConfig
+from eagle_tree.decoding.drafting import Drafter, DrafterProtocol, Proposal, TreeConfig
 from eagle_tree.decoding.shapes import load_decoding_defaults
 from eagle_tree.models.target import TargetModel
 
@@ -76,18 +77,57 @@ class GenerateOutput:
         return self.total_s / max(self.new_tokens, 1)
 
 
+class RoundClock:
+    """The time bookkeeping of ``generate``, kept out of the algorithm's lines: ``phase(name)`` times
+    a block as "draft", "verify" or "other" of the current round; ``close_round`` files the round's
+    RoundStats and the time its tokens came out. On a CUDA device each phase ends with a
+    synchronisation, so that the split is the device's and not the launch queue's."""
+
+    def __init__(self, result: GenerateOutput, device: torch.device):
+        self.result = result
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else None
+        self.start = time.perf_counter()
+        self.split = {"draft": 0.0, "verify": 0.0, "other": 0.0}
+
+    def now(self) -> float:
+        return time.perf_counter() - self.start
+
+    @contextmanager
+    def phase(self, name: str):
+        t0 = time.perf_counter()
+        yield
+        if self.sync is not None:
+            self.sync()
+        self.split[name] += time.perf_counter() - t0
+
+    def first_token(self) -> None:
+        self.result.prefill_s = self.now()
+        self.result.token_times.append(self.result.prefill_s)
+
+    def close_round(self, accepted: int, committed: int, tree_size: int) -> None:
+        s = self.split
+        self.result.rounds.append(RoundStats(accepted, committed, tree_size, s["draft"], s["verify"], s["other"]))
+        self.result.token_times += [self.now()] * committed
+        self.split = {"draft": 0.0, "verify": 0.0, "other": 0.0}
+
+    def close(self) -> None:
+        self.result.total_s = self.now()
+
+
 class SpeculativeDecoder:
     """Speculative decoding of ``target`` with an EAGLE-3 ``draft`` head (None: plain decoding).
 
     ``tree``: the draft shape; without it, the shapes in the head folder's ``decoding.json`` (one for
     greedy decoding, one for sampling; decoding/shapes.py), else ``TreeConfig()``. ``tree.context``
     adds context branches (decoding/context.py); with no head they draft alone.
-    ``drafter`` replaces the head-driven Drafter with any object offering ``reset()``,
-    ``catch_up(features, next_tokens)`` and ``propose(sampling, generator) -> Proposal`` (tests use
-    this to force acceptance patterns).
+    ``drafter`` replaces the head-driven Drafter with any DrafterProtocol object (``reset()``,
+    ``catch_up(features, next_tokens)``, ``propose(sampling, generator) -> Proposal``); tests use this
+    to force acceptance patterns. ``compile=True`` compiles the head's step with ``torch.compile``
+    (off by default: on CPU it costs about a minute of warm-up and did not speed the step up).
     """
 
-    def __init__(self, target, draft=None, tree: TreeConfig | None = None, drafter=None):
+    def __init__(self, target, draft=None, tree: TreeConfig | None = None, drafter: DrafterProtocol | None = None,
+                 compile: bool = False):
         layers = None if draft is None else draft.config.feature_layers
         self.target = target if isinstance(target, TargetModel) else TargetModel(target, feature_layers=layers)
         self.draft = draft
@@ -95,8 +135,10 @@ class SpeculativeDecoder:
         self.defaults = {} if tree is not None or drafter is not None else load_decoding_defaults(
             getattr(draft, "pretrained_path", None))
         self._build(tree or self.defaults.get("greedy") or TreeConfig(), drafter)
+        if compile:
+            _compile(self.target, draft)
 
-    def _build(self, tree: TreeConfig, drafter=None) -> None:
+    def _build(self, tree: TreeConfig, drafter: DrafterProtocol | None = None) -> None:
         self.tree = tree
         draft = self.draft
         if drafter is None and self.tree.context is not None:  # context branches; no head: context only
@@ -105,6 +147,8 @@ class SpeculativeDecoder:
             draft.bind_target(self.target)
             draft.eval()
             drafter = drafter or Drafter(draft, self.tree)
+        if drafter is not None and not isinstance(drafter, DrafterProtocol):
+            raise TypeError(f"drafter {type(drafter).__name__} lacks reset / catch_up / propose (DrafterProtocol)")
         self.drafter = drafter
 
     @torch.no_grad()
@@ -131,61 +175,68 @@ class SpeculativeDecoder:
         verifier_gen = torch.Generator().manual_seed(seed)
         draft_gen = torch.Generator().manual_seed(seed + 1_000_003)  # independent of the verifier's
         device = self.target.device
+        prompt_length = input_ids.shape[1]
+        result = GenerateOutput(input_ids, prompt_length)
+        clock = RoundClock(result, device)
 
-        start = time.perf_counter()
-        cache = self.target.new_cache()
+        # sized once: the prompt, every new token and the largest tree a round can verify
+        context = self.tree.context
+        tree_rows = 1 + (0 if self.drafter is None else self.tree.total_tokens
+                         + (0 if context is None else context.branches * context.lookup_tokens))
+        cache = self.target.new_cache(prompt_length + max_new_tokens + tree_rows)
         prompt = input_ids.to(device)
         out = self.target.prefill(prompt, cache)
         first = sample_token(processed_probs(out.logits[0, -1], sampling), sampling.greedy, verifier_gen)
         tokens = prompt[0].tolist() + [first]
-        result = GenerateOutput(input_ids, prompt.shape[1])
-        result.prefill_s = time.perf_counter() - start
-        result.token_times.append(result.prefill_s)
+        clock.first_token()
+        pending = None  # committed pairs the drafter has not seen: (features (1, m, 3H), next tokens (1, m))
         if self.drafter is not None:
             self.drafter.reset()
             # pairs (f_j, x_{j+1}) for the prompt: features of positions 0..P-1, next tokens 1..P
             pending = (out.features, torch.tensor([tokens[1:]], device=device))
 
-        while first not in eos and len(tokens) - prompt.shape[1] < max_new_tokens:
-            t0 = time.perf_counter()
-            if self.drafter is not None:  # 1. draft
-                self.drafter.catch_up(*pending)
-                proposal = self.drafter.propose(sampling, draft_gen)
-            else:
-                proposal = _empty_proposal(sampling)
-            t1 = time.perf_counter()
+        stop = first in eos
+        while not stop and len(tokens) - prompt_length < max_new_tokens:
+            with clock.phase("draft"):  # 1. draft: catch up on the committed pairs, grow a tree
+                proposal = self._draft(pending, sampling, draft_gen)
             tree = proposal.tree
-            out = self.target.verify(tokens[-1], tree, cache)  # 2. verify
-            t2 = time.perf_counter()
-            p = processed_probs(out.logits[0], sampling)  # 3. accept
-            res = verify_tree(tree, p, proposal.draft_probs, proposal.rule, verifier_gen)
-            new = [tree.tokens[a] for a in res.accepted] + [res.next_token]
-            room = max_new_tokens - (len(tokens) - prompt.shape[1])
-            new = new[:room]  # 4. update: the length limit, then EOS, cut the path
-            stop = next((i for i, t in enumerate(new) if t in eos), None)
-            if stop is not None:
-                new = new[: stop + 1]
-            kept_nodes = res.accepted[: len(new) - 1]  # the last new token is the next root, pending
-            rows = [0] + [1 + a for a in kept_nodes]
-            self.target.compact_cache(cache, len(tokens) - 1, rows)
-            if self.drafter is not None:
-                pending = (out.features[:, rows], torch.tensor([new], device=device))
-            tokens += new
-            t3 = time.perf_counter()
-            accepted = min(len(res.accepted), len(new))
-            result.rounds.append(RoundStats(accepted, len(new), len(tree), t1 - t0, t2 - t1, t3 - t2))
-            now = t3 - start
-            result.token_times += [now] * len(new)
-            if stop is not None:
-                result.stopped_by = "eos"
-                break
-        else:
-            if first in eos:
-                result.stopped_by = "eos"
-        result.total_s = time.perf_counter() - start
+            with clock.phase("verify"):  # 2. verify: one target forward over [root, tree]
+                out = self.target.verify(tokens[-1], tree, cache)
+            with clock.phase("other"):
+                # 3. accept: the exact walk of the tree
+                p = processed_probs(out.logits[0], sampling)
+                res = verify_tree(tree, p, proposal.draft_probs, proposal.rule, verifier_gen)
+                # 4. update: cut the path at the length limit, then at EOS; keep the root and the
+                # accepted nodes in the cache (the last new token is the next root, pending)
+                new = [tree.tokens[a] for a in res.accepted] + [res.next_token]
+                new = new[: max_new_tokens - (len(tokens) - prompt_length)]
+                stop = next((i for i, t in enumerate(new) if t in eos), None)
+                if stop is not None:
+                    new = new[: stop + 1]
+                rows = Tree.cache_rows(res.accepted[: len(new) - 1])
+                self.target.compact_cache(cache, len(tokens) - 1, rows)
+                if self.drafter is not None:
+                    pending = (out.features[:, rows], torch.tensor([new], device=device))
+                tokens += new
+                stop = stop is not None
+            clock.close_round(min(len(res.accepted), len(new)), len(new), len(tree))
+        if tokens[-1] in eos:
+            result.stopped_by = "eos"
+        clock.close()
         result.sequences = torch.tensor([tokens], dtype=torch.long)
         return result
 
+    def _draft(self, pending, sampling: SamplingConfig, generator: torch.Generator) -> Proposal:
+        """The round's proposal: the drafter's tree, or the empty tree of plain decoding."""
+        if self.drafter is None:
+            return Proposal(Tree([], []), None, TreeConfig.chain(1).rule(sampling))
+        self.drafter.catch_up(*pending)
+        return self.drafter.propose(sampling, generator)
 
-def _empty_proposal(sampling: SamplingConfig) -> Proposal:
-    return Proposal(Tree([], []), None, TreeConfig.chain(1).rule(sampling))
+
+def _compile(target: TargetModel, draft) -> None:
+    """torch.compile the head's step in place (dynamic shapes: the cache length and the frontier width
+    change every round). The target's forward is left eager: its feature hooks are registered per call,
+    which a compiled graph would have to guard on."""
+    if draft is not None:
+        draft.step = torch.compile(draft.step, dynamic=True)

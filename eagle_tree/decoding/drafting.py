@@ -143,8 +143,9 @@ class DrafterProtocol(Protocol):
 
 @dataclass(frozen=True)
 class _Plan:
-    """Static shape of a tree's growth: children per node ``k``; per level below the root, the range
-    [lo, hi) of the nodes it creates and the frontier width fed to make them."""
+    """Static shape of a tree's growth: children per node ``k``; per level, the range [lo, hi) of the
+    creation indices of the nodes it creates and the width of the frontier fed to make them (level 0:
+    the root's children)."""
 
     k: int
     levels: tuple[tuple[int, int, int], ...]  # (lo, hi, frontier width)
@@ -168,19 +169,22 @@ class _Plan:
 
 
 class _Buffers:
-    """Per-drafter tensors of one tree's growth (node i at index i, the root at row 0 of the (n + 1)
-    tables, as in ``Tree.row``); every entry read in a round is written in that round first."""
+    """Per-drafter tensors of one tree's growth, indexed by row (``Tree.row``: the root is row 0, the
+    node created i-th is row i + 1); every entry a round reads is written in that round first."""
 
     def __init__(self, n: int, hidden_size: int, draft_vocab: int, dtype: torch.dtype, device: torch.device):
-        self.score = torch.empty(n, device=device)  # cumulative draft log-probability
-        self.parent = torch.empty(n, dtype=torch.long, device=device)  # -1 = the root
-        self.token = torch.empty(n, dtype=torch.long, device=device)  # draft-vocabulary id
-        self.live = torch.empty(n, dtype=torch.bool, device=device)  # False: a draw past q's support
-        self.ancestors = torch.zeros(n + 1, n, dtype=torch.bool, device=device)  # by row: itself + ancestors
-        self.out = torch.empty(n + 1, hidden_size, dtype=dtype, device=device)  # the head's output by row
-        self.expanded = torch.zeros(n + 1, dtype=torch.bool, device=device)  # by row
-        self.q = torch.empty(n + 1, draft_vocab, device=device)  # by row: the law of the children
-        self.nodes = torch.arange(n, device=device)
+        rows = n + 1
+        self.score = torch.zeros(rows, device=device)  # cumulative draft log-probability (root: 0)
+        self.parent = torch.zeros(rows, dtype=torch.long, device=device)  # the parent's row (0 = the root)
+        self.token = torch.zeros(rows, dtype=torch.long, device=device)  # target id
+        self.live = torch.ones(rows, dtype=torch.bool, device=device)  # False: a draw past q's support
+        self.identity = torch.eye(rows, dtype=torch.bool, device=device)
+        self.ancestors = self.identity.clone()  # [r, c]: row c is row r or one of its ancestors
+        self.out = torch.empty(rows, hidden_size, dtype=dtype, device=device)  # the head's output
+        self.expanded = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.q = torch.empty(rows, draft_vocab, device=device)  # the law of the row's children
+        self.rows = torch.arange(rows, device=device)
+        self.remap = torch.zeros(rows, dtype=torch.long, device=device)  # row -> row in the kept tree
 
 
 class Drafter:
@@ -191,6 +195,7 @@ class Drafter:
         self.draft = draft
         self.config = tree
         self._buffers: _Buffers | None = None
+        self._plans: dict[bool, _Plan] = {}
         self.reset()
 
     def reset(self) -> None:
@@ -233,7 +238,7 @@ class Drafter:
 
     def _buffers_for(self, plan: _Plan) -> _Buffers:
         b, hidden = self._buffers, self.last_hidden
-        if b is None or b.score.shape[0] < plan.nodes or b.out.device != hidden.device:
+        if b is None or b.score.shape[0] <= plan.nodes or b.out.device != hidden.device:
             vocab = self.draft.config.draft_vocab_size
             b = self._buffers = _Buffers(plan.nodes, hidden.shape[-1], vocab, hidden.dtype, hidden.device)
         return b
@@ -245,7 +250,9 @@ class Drafter:
             raise RuntimeError("catch_up must run before propose")
         cfg = self.config
         sampled = cfg.sampled and not sampling.greedy
-        plan = _Plan.of(cfg, self.draft.config.draft_vocab_size, sampled)
+        plan = self._plans.get(sampled)
+        if plan is None:
+            plan = self._plans[sampled] = _Plan.of(cfg, self.draft.config.draft_vocab_size, sampled)
         b = self._buffers_for(plan)
         committed = self.cache.length
         try:
@@ -256,20 +263,16 @@ class Drafter:
         return self._proposal(b, keep, sampled, sampling)
 
     def _proposal(self, b: _Buffers, keep: torch.Tensor, sampled: bool, sampling: SamplingConfig) -> Proposal:
-        """The kept nodes (ascending creation indices) as a Tree in target ids: one host transfer."""
+        """The kept rows (ascending) as a Tree: one host transfer of parents and tokens."""
         n = keep.shape[0]
-        index = torch.full_like(b.parent, -1)
-        index[keep] = torch.arange(n, device=keep.device)
-        parent = b.parent[keep]
-        parent = torch.where(parent >= 0, index[parent.clamp_min(0)], parent)
-        d2t = self.draft.draft_to_target
-        parents, tokens = torch.stack([parent, d2t[b.token[keep]]]).tolist()
+        b.remap[keep] = b.rows[1 : n + 1]
+        parents, tokens = torch.stack([b.remap[b.parent[keep]] - 1, b.token[keep]]).tolist()
         draft_probs = None
         if sampled:
-            rows = torch.cat([keep.new_zeros(1), keep + 1])  # Tree.row of the root and of the kept nodes
+            rows = torch.cat([b.rows[:1], keep])  # the root's row and the kept rows
             q = torch.where(b.expanded[rows, None], b.q[rows], 0.0)  # nodes without children carry no law
             draft_probs = q.new_zeros(n + 1, self.draft.config.vocab_size)
-            draft_probs[:, d2t] = q
+            draft_probs[:, self.draft.draft_to_target] = q
         return Proposal(Tree(parents, tokens), draft_probs, self.config.rule(sampling))
 
 
@@ -283,65 +286,67 @@ class _Growth:
         self.sampling = sampling  # None: deterministic top-k children
         self.generator = generator
 
-    def expand(self, parents: torch.Tensor | None, logits: torch.Tensor, start: int) -> None:
-        """Create the children of ``parents`` (F,) creation indices (None: the root) from their draft
-        logits (F, Vd) at creation indices ``start..start + F * k - 1``, node by node, each node's
-        children in proposal order. Deterministic: every node's top-k. Sampled: Gumbel-top-k, up to k
-        children drawn without replacement from each node's processed q, one draw for the level."""
+    def expand(self, rows: torch.Tensor, logits: torch.Tensor, lo: int, hi: int) -> None:
+        """Create the children of the nodes at ``rows`` (F,) from their draft logits (F, Vd), as rows
+        lo + 1 .. hi, node by node, each node's children in proposal order. Deterministic: every node's
+        top-k. Sampled: Gumbel-top-k, up to k children drawn without replacement from each node's
+        processed q, one draw for the whole level from the drafter's generator."""
         b, k = self.b, self.plan.k
-        rows = torch.zeros(1, dtype=torch.long, device=logits.device) if parents is None else parents + 1
+        made = slice(lo + 1, hi + 1)
         logp = torch.log_softmax(logits.float(), dim=-1)
         if self.sampling is None:
             child_logp, ids = torch.topk(logp, k, dim=-1)  # (F, k)
-            live = None
         else:
             q = processed_probs(logits, self.sampling, check=False)  # (F, Vd)
             b.q[rows] = q
+            b.expanded[rows] = True
             u = torch.rand(q.shape, generator=self.generator).clamp_min(1e-20)
             gumbel = -torch.log(-torch.log(u)).to(q.device)
             keys = torch.where(q > 0, q.log() + gumbel, float("-inf"))
             drawn, ids = torch.topk(keys, k, dim=-1)  # decreasing keys = the order drawn
             child_logp = logp.gather(1, ids)
             live = drawn > float("-inf")  # past the support of q: no child
-        b.expanded[rows] = True
-        made = slice(start, start + ids.numel())
-        base = 0.0 if parents is None else b.score[parents][:, None]
-        b.score[made] = (base + child_logp).flatten()
-        b.token[made] = ids.flatten()
-        parent_rows = rows.repeat_interleave(k)
-        b.parent[made] = parent_rows - 1
-        if live is None:
-            b.live[made] = True
-        else:
-            b.live[made] = (live & (True if parents is None else b.live[parents][:, None])).flatten()
-        b.ancestors[start + 1 : made.stop + 1] = b.ancestors[parent_rows]
-        b.ancestors[start + 1 : made.stop + 1, made] |= torch.eye(ids.numel(), dtype=torch.bool, device=ids.device)
+            b.live[made].view(-1, k)[:] = live & b.live[rows][:, None]
+        b.score[made].view(-1, k)[:] = b.score[rows][:, None] + child_logp
+        b.token[made].view(-1, k)[:] = self.d.draft.draft_to_target[ids]
+        b.parent[made].view(-1, k)[:] = rows[:, None]
+        b.ancestors[made].view(-1, k, b.rows.shape[0])[:] = b.ancestors[rows][:, None] | b.identity[made].view(
+            -1, k, b.rows.shape[0])
 
     def run(self) -> torch.Tensor:
-        """Grow the planned levels; return the kept nodes' creation indices, ascending."""
+        """Grow the planned levels; return the kept rows, ascending (parents first)."""
         d, b, plan = self.d, self.b, self.plan
-        b.expanded.zero_()
+        if self.sampling is not None:
+            b.expanded.zero_()
         b.out[0] = d.last_hidden[0, 0]
-        self.expand(None, d.last_logits[None], 0)
+        self.expand(b.rows[:1], d.last_logits[None], *plan.levels[0][:2])
         committed = d.cache.length
         base_pos = committed - 1  # position of the last committed pair
         device = d.last_hidden.device
-        fed = b.nodes[:0]
-        for depth, (lo, hi, width) in enumerate(plan.levels[1:], start=1):
+        fed = b.rows[:0]
+        for depth in range(1, len(plan.levels)):
             prev_lo, prev_hi, _ = plan.levels[depth - 1]
-            key = b.score[prev_lo:prev_hi].masked_fill(~b.live[prev_lo:prev_hi], float("-inf"))
-            frontier = torch.sort(key, descending=True, stable=True).indices[:width].sort().values + prev_lo
+            lo, hi, width = plan.levels[depth]
+            level = slice(prev_lo + 1, prev_hi + 1)
+            if width == prev_hi - prev_lo:  # the whole previous level is fed
+                frontier = b.rows[level]
+            else:  # its ``width`` best nodes by score (ties: the earlier node), in creation order
+                key = b.score[level]
+                if self.sampling is not None:  # dead draws (past q's support) are never expanded
+                    key = key.masked_fill(~b.live[level], float("-inf"))
+                frontier = torch.sort(key, descending=True, stable=True).indices[:width].sort().values + level.start
             fed = torch.cat([fed, frontier])  # the cache entries after the committed pairs, in order
             visible = torch.ones(1, 1, width, committed + fed.shape[0], dtype=torch.bool, device=device)
-            visible[0, 0, :, committed:] = b.ancestors[frontier + 1][:, fed]
-            hidden = b.out[b.parent[frontier] + 1][None]  # (1, F, H): the parents' outputs
-            ids = d.draft.draft_to_target[b.token[frontier]][None]
+            visible[0, 0, :, committed:] = b.ancestors[frontier][:, fed]
+            hidden = b.out[b.parent[frontier]][None]  # (1, F, H): the parents' outputs
             positions = torch.full((1, width), base_pos + depth, dtype=torch.long, device=device)
-            out, logits = d._forward(hidden, ids, positions, visible)
-            b.out[frontier + 1] = out[0]
-            self.expand(frontier, logits[0], lo)
-        n = plan.nodes
+            out, logits = d._forward(hidden, b.token[frontier][None], positions, visible)
+            b.out[frontier] = out[0]
+            self.expand(frontier, logits[0], lo, hi)
+        rows = b.rows[1 : plan.nodes + 1]
         if self.sampling is not None:  # sampled trees keep every child they draw
-            return b.nodes[:n][b.live[:n]]
-        order = torch.sort(b.score[:n], descending=True, stable=True).indices[: self.cfg.total_tokens]
-        return order.sort().values  # creation order: parents first, siblings in proposal order
+            return rows[b.live[rows]]
+        if plan.nodes <= self.cfg.total_tokens:
+            return rows
+        order = torch.sort(b.score[rows], descending=True, stable=True).indices[: self.cfg.total_tokens]
+        return order.sort().values + 1  # creation order: parents first, siblings in proposal order
