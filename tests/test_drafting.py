@@ -386,3 +386,27 @@ def _pvalue(counts: torch.Tensor, law: torch.Tensor) -> float:
     exp = torch.cat([expected[big], expected[~big].sum()[None]])
     stat = float(((obs - exp) ** 2 / exp).sum())
     return float(chi2.sf(stat, len(obs) - 1))
+
+
+@pytest.mark.parametrize("cfg, sampling", [(TreeConfig(depth=4, top_k=3, total_tokens=10), T1),
+                                           (TreeConfig(depth=3, top_k=3, total_tokens=12, sampled=True), T1)],
+                         ids=["deterministic", "sampled"])
+def test_propose_makes_one_host_transfer(cfg, sampling, monkeypatch):
+    """Tree growth stays in tensors: the only conversion to Python values in ``propose`` is the final
+    tree's (one ``tolist``); sampled trees draw each level with one call to the drafter's generator."""
+    d = _drafter(cfg)
+    calls: list[str] = []
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _n=name, _f=original, **k: calls.append(_n)
+                            or _f(self, *a, **k))
+    rand = torch.rand
+    draws: list[tuple[int, ...]] = []
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: draws.append(tuple(a[0])) or rand(*a, **k))
+    proposal = d.propose(sampling, torch.Generator().manual_seed(0))
+    monkeypatch.undo()
+    assert calls == ["tolist"]
+    if cfg.sampled:  # the root, then one draw per fed level, each over the whole frontier
+        assert [shape[0] for shape in draws] == [1, cfg.top_k, cfg.top_k][: len(draws)] and len(draws) >= 2
+    else:
+        assert not draws and len(proposal.tree) == cfg.total_tokens

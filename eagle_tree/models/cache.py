@@ -117,6 +117,6 @@ class TargetCache(Cache):
         if buf is None or buf.dtype != dtype or buf.device != device or buf.shape[0] < rows or buf.shape[1] < cols:
             old_rows, old_cols = (0, 0) if buf is None else buf.shape
             c = max(cols, self.capacity, 2 * old_cols if cols > old_cols else old_cols)
-            r = max(rows, old_rows)
+            r = max(rows, MIN_CAPACITY, 2 * old_rows if rows > old_rows else old_rows)
             buf = self._mask = torch.empty(r, c, dtype=dtype, device=device)
         return buf[:rows, :cols][None, None]
