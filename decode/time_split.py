@@ -72,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def hf_generate_s(model, prompt: torch.Tensor, new_tokens: int, sampling: SamplingConfig, seed: int) -> float:
     """Seconds of one Hugging Face ``generate`` call producing exactly ``new_tokens`` tokens."""
-    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
+    kwargs = dict(max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)  # no EOS: exactly new_tokens
     if sampling.greedy:
         kwargs["do_sample"] = False
     else:

@@ -7,12 +7,15 @@ code is forked per architecture. Batch size is 1 throughout.
 
 Cache contract (the caller owns the cache; this class never stores one):
 
-* ``new_cache()`` gives an empty ``transformers.DynamicCache`` whose layers are all plain
-  ``DynamicLayer`` (one key/value tensor per layer, shape (1, n_kv_heads, S, head_dim), entry ``s``
-  holding position ``s``). Sliding-window models get full layers too; the window is applied in the
-  masks built here.
-* ``prefill`` / ``forward`` / ``verify`` append to it; ``compact_cache`` gathers the accepted
-  entries into contiguous positions and crops the rest.
+* ``new_cache(capacity)`` gives an empty :class:`~eagle_tree.models.cache.TargetCache`: keys and
+  values of every layer in buffers (1, n_kv_heads, capacity, head_dim) allocated once and grown
+  geometrically, entry ``s`` holding position ``s``. Sliding-window models get full layers too; the
+  window is applied in the masks built here. A ``transformers.DynamicCache`` of plain layers works too.
+* ``prefill`` / ``forward`` / ``verify`` append to it (a slice write); ``compact_cache`` gathers the
+  accepted entries into contiguous positions (one in-place gather per layer) and crops the rest.
+  ``verify`` writes its mask into the cache's mask buffer: an additive float mask, measured as fast as
+  a boolean one with sdpa on CPU, and the one eager attention needs. Plain decoding (an empty tree)
+  passes no mask at all, as Hugging Face ``generate`` does.
 
 Features: the hidden states entering the three feature layers, caught by forward pre-hooks that are
 registered for the duration of one forward and removed in a ``finally`` block, so nothing stays
