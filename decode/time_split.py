@@ -19,7 +19,8 @@ warm-up call each) and prints one row per shape, side by side:
 
 EOS is ignored so every call produces ``--new-tokens`` tokens. At temperature 0 every shape is also
 checked to give plain decoding's tokens. The default run (4 prompts, 64 tokens, 2 repeats) takes about
-a minute on 2 CPU cores.
+a minute on 2 quiet CPU cores. ``PYTHONPATH=<another checkout> python decode/time_split.py`` measures
+that checkout's decoder with the same script (without ``--compile``), for before/after figures.
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ def main(argv=None) -> None:
         shapes = {"plain": None, **shapes}
     target = TargetModel.from_pretrained(args.target)
     head = Eagle3DraftModel.from_pretrained(args.head, target=target)
-    decoders = {name: SpeculativeDecoder(target, None if tree is None else head, tree=tree, compile=args.compile)
+    options = {"compile": True} if args.compile else {}  # without it, the script also runs on older checkouts
+    decoders = {name: SpeculativeDecoder(target, None if tree is None else head, tree=tree, **options)
                 for name, tree in shapes.items()}
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     with open(args.prompts) as f:

@@ -237,6 +237,9 @@ class SpeculativeDecoder:
 def _compile(target: TargetModel, draft) -> None:
     """torch.compile the head's step in place (dynamic shapes: the cache length and the frontier width
     change every round). The target's forward is left eager: its feature hooks are registered per call,
-    which a compiled graph would have to guard on."""
+    which a compiled graph would have to guard on. CUDA graphs would further need static shapes: a
+    fixed frontier width per level (the growth plan has it), caches read over their whole capacity
+    with the length in a device tensor and masks hiding the unfilled tail, instead of views cut at a
+    Python length."""
     if draft is not None:
         draft.step = torch.compile(draft.step, dynamic=True)
