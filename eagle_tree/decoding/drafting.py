@@ -180,7 +180,7 @@ class _Buffers:
         self.live = torch.ones(rows, dtype=torch.bool, device=device)  # False: a draw past q's support
         self.identity = torch.eye(rows, dtype=torch.bool, device=device)
         self.ancestors = self.identity.clone()  # [r, c]: row c is row r or one of its ancestors
-        self.out = torch.empty(rows, hidden_size, dtype=dtype, device=device)  # the head's output
+        self.out = torch.empty(rows, hidden_size, dtype=dtype, device=device)  # the head's output (root: last_hidden)
         self.expanded = torch.zeros(rows, dtype=torch.bool, device=device)
         self.q = torch.empty(rows, draft_vocab, device=device)  # the law of the row's children
         self.rows = torch.arange(rows, device=device)
@@ -257,16 +257,20 @@ class Drafter:
         committed = self.cache.length
         try:
             growth = _Growth(self, b, plan, sampling if sampled else None, generator)
-            keep = growth.run()
+            keep, whole = growth.run()
         finally:
             self.cache.crop(committed)
-        return self._proposal(b, keep, sampled, sampling)
+        return self._proposal(b, keep, whole, sampled, sampling)
 
-    def _proposal(self, b: _Buffers, keep: torch.Tensor, sampled: bool, sampling: SamplingConfig) -> Proposal:
-        """The kept rows (ascending) as a Tree: one host transfer of parents and tokens."""
+    def _proposal(self, b: _Buffers, keep: torch.Tensor, whole: bool, sampled: bool,
+                  sampling: SamplingConfig) -> Proposal:
+        """The kept rows (ascending; ``whole``: every row grown) as a Tree: one host transfer."""
         n = keep.shape[0]
-        b.remap[keep] = b.rows[1 : n + 1]
-        parents, tokens = torch.stack([b.remap[b.parent[keep]] - 1, b.token[keep]]).tolist()
+        if whole:  # the rows are the tree's own
+            parents, tokens = torch.stack([b.parent[1 : n + 1] - 1, b.token[1 : n + 1]]).tolist()
+        else:
+            b.remap[keep] = b.rows[1 : n + 1]
+            parents, tokens = torch.stack([b.remap[b.parent[keep]] - 1, b.token[keep]]).tolist()
         draft_probs = None
         if sampled:
             rows = torch.cat([b.rows[:1], keep])  # the root's row and the kept rows
@@ -286,11 +290,12 @@ class _Growth:
         self.sampling = sampling  # None: deterministic top-k children
         self.generator = generator
 
-    def expand(self, rows: torch.Tensor, logits: torch.Tensor, lo: int, hi: int) -> None:
+    def expand(self, rows: torch.Tensor, logits: torch.Tensor, lo: int, hi: int, last: bool) -> None:
         """Create the children of the nodes at ``rows`` (F,) from their draft logits (F, Vd), as rows
         lo + 1 .. hi, node by node, each node's children in proposal order. Deterministic: every node's
         top-k. Sampled: Gumbel-top-k, up to k children drawn without replacement from each node's
-        processed q, one draw for the whole level from the drafter's generator."""
+        processed q, one draw for the whole level from the drafter's generator. ``last``: the children's
+        ancestors are not needed (no level is fed from them, or the tree is a chain)."""
         b, k = self.b, self.plan.k
         made = slice(lo + 1, hi + 1)
         logp = torch.log_softmax(logits.float(), dim=-1)
@@ -307,24 +312,27 @@ class _Growth:
             child_logp = logp.gather(1, ids)
             live = drawn > float("-inf")  # past the support of q: no child
             b.live[made].view(-1, k)[:] = live & b.live[rows][:, None]
-        b.score[made].view(-1, k)[:] = b.score[rows][:, None] + child_logp
+        b.score[made].view(-1, k)[:] = child_logp if lo == 0 else b.score[rows][:, None] + child_logp  # root: 0
         b.token[made].view(-1, k)[:] = self.d.draft.draft_to_target[ids]
         b.parent[made].view(-1, k)[:] = rows[:, None]
-        b.ancestors[made].view(-1, k, b.rows.shape[0])[:] = b.ancestors[rows][:, None] | b.identity[made].view(
-            -1, k, b.rows.shape[0])
+        if not last:
+            width = b.rows.shape[0]
+            b.ancestors[made].view(-1, k, width)[:] = b.ancestors[rows][:, None] | b.identity[made].view(-1, k, width)
 
-    def run(self) -> torch.Tensor:
-        """Grow the planned levels; return the kept rows, ascending (parents first)."""
+    def run(self) -> tuple[torch.Tensor, bool]:
+        """Grow the planned levels; return the kept rows, ascending (parents first), and whether they
+        are all the rows grown."""
         d, b, plan = self.d, self.b, self.plan
+        levels = len(plan.levels)
+        chain = plan.k == 1  # every fed node sees all fed nodes: no ancestor matrix needed
         if self.sampling is not None:
             b.expanded.zero_()
-        b.out[0] = d.last_hidden[0, 0]
-        self.expand(b.rows[:1], d.last_logits[None], *plan.levels[0][:2])
+        self.expand(b.rows[:1], d.last_logits[None], *plan.levels[0][:2], last=chain or levels == 1)
         committed = d.cache.length
         base_pos = committed - 1  # position of the last committed pair
         device = d.last_hidden.device
         fed = b.rows[:0]
-        for depth in range(1, len(plan.levels)):
+        for depth in range(1, levels):
             prev_lo, prev_hi, _ = plan.levels[depth - 1]
             lo, hi, width = plan.levels[depth]
             level = slice(prev_lo + 1, prev_hi + 1)
@@ -337,16 +345,19 @@ class _Growth:
                 frontier = torch.sort(key, descending=True, stable=True).indices[:width].sort().values + level.start
             fed = torch.cat([fed, frontier])  # the cache entries after the committed pairs, in order
             visible = torch.ones(1, 1, width, committed + fed.shape[0], dtype=torch.bool, device=device)
-            visible[0, 0, :, committed:] = b.ancestors[frontier][:, fed]
-            hidden = b.out[b.parent[frontier]][None]  # (1, F, H): the parents' outputs
+            if not chain:
+                visible[0, 0, :, committed:] = b.ancestors[frontier][:, fed]
+            # (1, F, H): the parents' outputs (at depth 1 the root's)
+            hidden = d.last_hidden.expand(1, width, -1) if depth == 1 else b.out[b.parent[frontier]][None]
             positions = torch.full((1, width), base_pos + depth, dtype=torch.long, device=device)
             out, logits = d._forward(hidden, b.token[frontier][None], positions, visible)
-            b.out[frontier] = out[0]
-            self.expand(frontier, logits[0], lo, hi)
+            if depth < levels - 1:  # parents of the next level
+                b.out[frontier] = out[0]
+            self.expand(frontier, logits[0], lo, hi, last=chain or depth == levels - 1)
         rows = b.rows[1 : plan.nodes + 1]
         if self.sampling is not None:  # sampled trees keep every child they draw
-            return rows[b.live[rows]]
+            return rows[b.live[rows]], False
         if plan.nodes <= self.cfg.total_tokens:
-            return rows
+            return rows, True
         order = torch.sort(b.score[rows], descending=True, stable=True).indices[: self.cfg.total_tokens]
-        return order.sort().values + 1  # creation order: parents first, siblings in proposal order
+        return order.sort().values + 1, False  # creation order: parents first, siblings in proposal order
