@@ -210,15 +210,15 @@ class SpeculativeDecoder:
                 # accepted nodes in the cache (the last new token is the next root, pending)
                 new = [tree.tokens[a] for a in res.accepted] + [res.next_token]
                 new = new[: max_new_tokens - (len(tokens) - prompt_length)]
-                stop = next((i for i, t in enumerate(new) if t in eos), None)
-                if stop is not None:
-                    new = new[: stop + 1]
+                cut = next((i for i, t in enumerate(new) if t in eos), None)
+                if cut is not None:
+                    new = new[: cut + 1]
                 rows = Tree.cache_rows(res.accepted[: len(new) - 1])
                 self.target.compact_cache(cache, len(tokens) - 1, rows)
                 if self.drafter is not None:
                     pending = (out.features[:, rows], torch.tensor([new], device=device))
                 tokens += new
-                stop = stop is not None
+                stop = cut is not None
             clock.close_round(min(len(res.accepted), len(new)), len(new), len(tree))
         if tokens[-1] in eos:
             result.stopped_by = "eos"
