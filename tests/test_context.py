@@ -9,10 +9,10 @@ from scipy.stats import chisquare
 
 from eagle_tree import SamplingConfig
 from eagle_tree.core.tree import Tree
-from eagle_tree.core.verify import VerifyRule, verify_tree
+from eagle_tree.core.verify import Proposal, VerifyRule, verify_tree
 from eagle_tree.decoding.context import ContextConfig, ContextDrafter, ContextIndex, merge_context
 from eagle_tree.decoding.decoder import SpeculativeDecoder
-from eagle_tree.decoding.drafting import Drafter, Proposal, TreeConfig
+from eagle_tree.decoding.drafting import Drafter, TreeConfig
 from tests.exact_reference import check_mixed, dist
 from tests.test_decoder_exactness import (
     ALPHA,

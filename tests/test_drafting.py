@@ -19,7 +19,8 @@ import torch
 from scipy.stats import chi2
 
 from eagle_tree import SamplingConfig, processed_probs
-from eagle_tree.decoding.drafting import DraftCache, Drafter, Proposal, TreeConfig
+from eagle_tree.core.verify import Proposal
+from eagle_tree.decoding.drafting import DraftCache, Drafter, TreeConfig
 from eagle_tree.models.head import Eagle3DraftModel
 from eagle_tree.models.target import TargetModel
 from eagle_tree.reference.tiny import tiny_causal_lm

@@ -87,7 +87,7 @@ class Tree:
     def cache_rows(nodes: Sequence[int]) -> list[int]:
         """Rows of the root and of ``nodes`` (ascending node indices, e.g. the accepted path): the cache
         entries a round keeps after verification, in order."""
-        return [0, *(node + 1 for node in nodes)]
+        return [Tree.row(ROOT), *(Tree.row(node) for node in nodes)]
 
     def __len__(self) -> int:
         return len(self.parents)

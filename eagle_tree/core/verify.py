@@ -49,6 +49,17 @@ class VerifyRule(str, Enum):
 
 
 @dataclass
+class Proposal:
+    """What a drafter hands to the verifier: a draft tree in target token ids, the law its children
+    came from (``draft_probs`` (n + 1, V), row 0 = the root's children, row i + 1 = node i's; None for
+    point-mass children) and the rule that is exact for them."""
+
+    tree: Tree
+    draft_probs: torch.Tensor | None
+    rule: VerifyRule
+
+
+@dataclass
 class VerifyResult:
     """accepted: accepted node indices along one root-to-node path; next_token: correction or bonus."""
 
@@ -117,7 +128,7 @@ def verify_tree(
     accepted: list[int] = []
     node = ROOT
     while True:
-        row = node + 1
+        row = Tree.row(node)
         kids = tree.children[node]
         if rule is VerifyRule.GREEDY:
             choice = int(greedy_token(p_all[row]))

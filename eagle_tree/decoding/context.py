@@ -34,7 +34,7 @@ import torch
 
 from eagle_tree.core.sampling import SamplingConfig
 from eagle_tree.core.tree import ROOT, Tree
-from eagle_tree.core.verify import VerifyRule
+from eagle_tree.core.verify import Proposal, VerifyRule
 
 
 @dataclass(frozen=True)
@@ -214,8 +214,6 @@ class ContextDrafter:
         self.context_s += time.perf_counter() - t0
 
     def propose(self, sampling: SamplingConfig, generator: torch.Generator | None = None):
-        from eagle_tree.decoding.drafting import Proposal
-
         if self.inner is not None:
             head = self.inner.propose(sampling, generator)
         else:

@@ -22,9 +22,9 @@ import torch
 
 from eagle_tree.core.sampling import SamplingConfig, processed_probs
 from eagle_tree.core.tree import Tree
-from eagle_tree.core.verify import sample_token, verify_tree
+from eagle_tree.core.verify import Proposal, sample_token, verify_tree
 from eagle_tree.decoding.context import ContextDrafter
-from eagle_tree.decoding.drafting import Drafter, DrafterProtocol, Proposal, TreeConfig
+from eagle_tree.decoding.drafting import Drafter, DrafterProtocol, TreeConfig
 from eagle_tree.decoding.shapes import load_decoding_defaults
 from eagle_tree.models.target import TargetModel
 

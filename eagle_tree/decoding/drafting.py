@@ -30,7 +30,7 @@ import torch
 
 from eagle_tree.core.sampling import SamplingConfig, processed_probs
 from eagle_tree.core.tree import Tree
-from eagle_tree.core.verify import VerifyRule
+from eagle_tree.core.verify import Proposal, VerifyRule
 from eagle_tree.decoding.context import ContextConfig
 from eagle_tree.models.head import Eagle3DraftModel
 
@@ -75,15 +75,6 @@ class TreeConfig:
         if sampling.greedy:
             return VerifyRule.GREEDY
         return VerifyRule.WITHOUT_REPLACEMENT if self.sampled else VerifyRule.DETERMINISTIC
-
-
-@dataclass
-class Proposal:
-    """A draft tree in target token ids, the law its children came from, and how to verify it."""
-
-    tree: Tree
-    draft_probs: torch.Tensor | None  # (n + 1, V_target) for sampled trees, else None
-    rule: VerifyRule
 
 
 class DraftCache:
