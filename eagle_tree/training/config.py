@@ -164,6 +164,9 @@ class EvalSection:
 
     every: int = 0
     """evaluate every N optimiser steps (0: only at the end)"""
+    every_minutes: float | None = None
+    """also evaluate each time the training time (optimiser steps only) crosses a multiple of this many minutes:
+    points at equal minutes for runs of different step times (null: by steps only)"""
     at_start: bool = False
     """also evaluate the untrained head at step 0"""
     at_end: bool = True
@@ -198,6 +201,8 @@ class EvalSection:
     """output budget per copying prompt"""
 
     def __post_init__(self) -> None:
+        if self.every_minutes is not None and not self.every_minutes > 0:
+            raise ConfigValueError("every_minutes", f"must be > 0 (or null), got {self.every_minutes!r}")
         check_ranges(self, every=0, num_prompts=1, max_prompt_tokens=1, max_new_tokens=1, chain_length=1, tree_depth=1,
                  tree_top_k=1, tree_total_tokens=1, copy_num_prompts=1, copy_chain_length=1, copy_max_new_tokens=1)
 

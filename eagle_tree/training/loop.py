@@ -229,6 +229,7 @@ class _Run:
         if s.max_minutes is not None:  # resolved after the first steps are timed (or restored on resume)
             self.total_steps = UNRESOLVED_STEPS
         self.train_s = 0.0  # seconds spent in optimiser steps (evaluations and checkpoints not counted)
+        self.evals_by_time = 0  # multiples of eval.every_minutes already evaluated
         self.budget: dict | None = None  # with schedule.max_minutes: the timing that set total_steps
         self.optimizer = adamw(draft, o.lr, o.weight_decay, o.betas, o.eps)
         self.scheduler = lambda_schedule(self.optimizer, s.warmup_steps, lambda: self.total_steps, s.kind,
@@ -313,6 +314,8 @@ class _Run:
         progress = state["progress"]
         self.step, self.tokens = state["step"], progress["tokens"]
         self.train_s = progress.get("train_s", 0.0)
+        if self.cfg.eval.every_minutes is not None:
+            self.evals_by_time = int(self.train_s // (self.cfg.eval.every_minutes * 60))
         if self.cfg.schedule.max_minutes is not None and progress.get("budget"):  # the step count timed at the start
             self.budget = progress["budget"]
             self.total_steps = self.budget["resolved_steps"]
@@ -454,7 +457,8 @@ class _Run:
                 bar.set_postfix(loss=f"{self.metrics['train/loss']:.3f}", acc0=f"{self.metrics['train/acc_0']:.2f}",
                                 tok_s=f"{self.metrics['train/tokens_per_s']:.0f}", refresh=False)
             bar.update(1)
-            if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < self.total_steps:
+            by_steps = bool(cfg.eval.every) and self.step % cfg.eval.every == 0
+            if (by_steps or self._eval_due_by_time()) and self.step < self.total_steps:
                 self.evaluate()
             if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
                 self.checkpoint()
@@ -463,6 +467,17 @@ class _Run:
         if cfg.eval.at_end:
             self.evaluate()
         return self.finish(wall)
+
+    def _eval_due_by_time(self) -> bool:
+        """Whether the training time crossed the next multiple of eval.every_minutes (one evaluation per crossing)."""
+        every = self.cfg.eval.every_minutes
+        if every is None:
+            return False
+        crossed = int(self.train_s // (every * 60))
+        if crossed <= self.evals_by_time:
+            return False
+        self.evals_by_time = crossed
+        return True
 
     def _resolve_budget(self, step_times: list[float]) -> None:
         """schedule.max_minutes -> total_steps from the mean time of the timed steps (the mean over ranks)."""
