@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from eagle_tree.models.head_config import check_feature_layers
-from eagle_tree.models.head_init import INIT_PARTS, check_init_parts
 from eagle_tree.reference.toy import ToyConfig
 from eagle_tree.training.data import DataConfig
 from eagle_tree.utils.checks import check_ranges
@@ -39,10 +37,18 @@ class TargetSection:
 
     def __post_init__(self) -> None:
         if self.feature_layers is not None:
+            from eagle_tree.models.head_config import check_feature_layers  # lazy: models imports transformers
+
             try:
                 check_feature_layers(self.feature_layers)
             except ValueError as exc:
                 raise ConfigValueError("feature_layers", f"is not valid: {exc}") from None
+
+
+def _init_parts() -> tuple[str, ...]:
+    from eagle_tree.models.head_init import INIT_PARTS  # lazy: models imports transformers
+
+    return INIT_PARTS
 
 
 @dataclass
@@ -56,12 +62,14 @@ class ModelSection:
     """seed of the head's initialisation"""
     init: Literal["random", "target"] = "random"
     """a fresh head's weights: random, or copied from the target where shapes allow (init_parts)"""
-    init_parts: list[str] = field(default_factory=lambda: list(INIT_PARTS))
+    init_parts: list[str] = field(default_factory=lambda: list(_init_parts()))
     """with init=target, the parts copied: lm_head (the draft vocabulary's rows), norm (the final norm), mlp (the
     last layer's MLP and norms), fc (a pass-through of the high feature)"""
 
     def __post_init__(self) -> None:
         check_ranges(self, seed=0)
+        from eagle_tree.models.head_init import check_init_parts
+
         try:
             check_init_parts(self.init_parts)
         except ValueError as exc:

@@ -51,6 +51,9 @@ class StudyConfig:
     """evaluate every this many training minutes (and at the start and the end)"""
     threads: int = 2
     """torch CPU threads of every variant"""
+    seed: int = 0
+    """seed of every variant (data order and head initialisation): rerun the study with another seed to see how far
+    the figures move by chance"""
     rerun: bool = False
     """train every variant again, even one whose folder holds a finished run of the same config"""
     wandb: WandbConfig = field(default_factory=WandbConfig)
@@ -58,8 +61,12 @@ class StudyConfig:
 
     def __post_init__(self) -> None:
         from eagle_tree.utils.checks import check_ranges
+        from eagle_tree.utils.config import ConfigValueError
 
-        check_ranges(self, minutes=0.0, eval_every_minutes=0.0, threads=1)
+        check_ranges(self, threads=1, seed=0)
+        for key in ("minutes", "eval_every_minutes"):
+            if not getattr(self, key) > 0:
+                raise ConfigValueError(key, f"must be > 0, got {getattr(self, key)!r}")
         if not self.variants:
             raise ValueError("variants must name at least one variant, e.g. {baseline: []}")
         unknown = [v for v in self.only if v not in self.variants]
@@ -76,7 +83,8 @@ def variant_config(study: StudyConfig, name: str):
     from eagle_tree.utils.config import load_config
 
     w = study.wandb
-    fixed = [f"output_dir={Path(study.output_dir) / name}", f"threads={study.threads}", "overwrite=true",
+    fixed = [f"output_dir={Path(study.output_dir) / name}", f"threads={study.threads}", f"seed={study.seed}",
+             f"model.seed={study.seed}", "overwrite=true",
              "resume=null", "progress=false", "schedule.epochs=null", f"schedule.max_minutes={study.minutes}",
              "eval.every=0", f"eval.every_minutes={study.eval_every_minutes}", "eval.at_start=true",
              "eval.at_end=true", "checkpoint.every=0", f"wandb.mode={w.mode}", f"wandb.project={w.project}",
