@@ -121,3 +121,19 @@ def test_schedule_reads_a_step_count_resolved_later():
     opt.step()
     sched.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(lr_factor(4, 2, 10, "cosine", 0.1))
+
+
+@pytest.mark.slow
+def test_resume_keeps_the_step_count_resolved_from_the_budget(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    out = tmp_path / "run"
+    base = ["--config", str(SMOKE), f"output_dir={out}", f"target.toy_cache_dir={TOY_CACHE}", "progress=false",
+            "schedule.max_minutes=0.03", "eval.every=0", "eval.at_start=false", "eval.at_end=false",
+            "checkpoint.every=6", "checkpoint.keep_last=null", "wandb.mode=disabled"]
+    assert main(base) == 0
+    first = json.loads((out / "train_summary.json").read_text())
+    resolved = first["budget"]["resolved_steps"]
+    assert resolved >= 12  # a checkpoint after the timing and before the end
+    assert main([*base, f"resume={out / 'checkpoints' / 'step-6'}"]) == 0
+    second = json.loads((out / "train_summary.json").read_text())
+    assert second["budget"] == first["budget"] and second["steps"] == resolved
