@@ -1,6 +1,6 @@
 """Evaluation during training: the real acceptance length of the head, measured with SpeculativeDecoder,
 on the held-out prompts and on the copying prompts, and the head's top-1 agreement with the target per
-draft step on the held-out prompts."""
+draft step on the target's own greedy continuations of the held-out prompts."""
 
 from __future__ import annotations
 
@@ -20,10 +20,13 @@ def _eval_head(target, draft):
 
 @torch.no_grad()
 def evaluate_acceptance(target, draft, prompt_ids: list[torch.Tensor], ev: EvalSection,
-                        eos_token_id: int | None = None, copy_ids: list[torch.Tensor] | None = None) -> dict:
+                        eos_token_id: int | None = None, copy_ids: list[torch.Tensor] | None = None,
+                        agreement_steps: int = 0) -> dict:
     """Greedy decoding of every prompt in chain and tree mode: acceptance length (committed tokens per
     round) and the survival curve Pr(A >= i) of accepted draft tokens A, per mode; with ``copy_ids``, also
-    the chain of ``ev.copy_chain_length`` on the copying prompts (``acceptance_length_copy_chain``)."""
+    the chain of ``ev.copy_chain_length`` on the copying prompts (``acceptance_length_copy_chain``); with
+    ``agreement_steps``, the head's top-1 agreement per draft step on the greedy continuations the chain
+    decoded (the target's own text: ``agreement``, see :func:`heldout_agreement`)."""
     from eagle_tree.core.sampling import SamplingConfig
     from eagle_tree.decoding.decoder import SpeculativeDecoder
     from eagle_tree.decoding.drafting import TreeConfig
@@ -44,6 +47,9 @@ def evaluate_acceptance(target, draft, prompt_ids: list[torch.Tensor], ev: EvalS
             outs = [decoder.generate(ids[None], budget, greedy, seed=0, eos_token_id=eos_token_id)
                     for ids in ids_list]
             summary = summarize(mode, 0.0, outs, depth=shape.depth)
+            if mode == "chain" and agreement_steps:
+                result["agreement"] = heldout_agreement(
+                    target, head, [(o.sequences[0], o.prompt_length) for o in outs], agreement_steps)
             result[f"acceptance_length_{mode}"] = summary.acceptance_length
             result[f"survival_{mode}"] = summary.survival
             result[f"rounds_{mode}"] = summary.rounds
@@ -53,9 +59,10 @@ def evaluate_acceptance(target, draft, prompt_ids: list[torch.Tensor], ev: EvalS
 
 
 @torch.no_grad()
-def heldout_agreement(target, draft, prompt_ids: list[torch.Tensor], steps: int) -> list[float]:
-    """Top-1 agreement of the head with the target at each training-time-test step (as ``train/acc_s``),
-    over every position of the held-out prompts (token-weighted)."""
+def heldout_agreement(target, draft, sequences: list[tuple[torch.Tensor, int]], steps: int) -> list[float]:
+    """Top-1 agreement of the head with the target at each training-time-test step (as ``train/acc_s``) on
+    ``sequences``: (token ids (T,), start) pairs, the predicted tokens at positions >= start counted
+    (token-weighted over every sequence)."""
     from eagle_tree.training.feature_cache import example_targets
     from eagle_tree.training.ttt import ttt_forward
 
@@ -63,10 +70,11 @@ def heldout_agreement(target, draft, prompt_ids: list[torch.Tensor], steps: int)
     draft.eval()
     agree, count = [0.0] * steps, [0] * steps
     try:
-        for ids in prompt_ids:
+        for ids, start in sequences:
             features, logits = example_targets(target, ids)
+            mask = (torch.arange(ids.shape[0], device=features.device) >= start).float()[None]
             out = ttt_forward(draft, features[None].to(draft.fc.weight.dtype), ids[None].to(features.device),
-                              torch.ones(1, ids.shape[0], device=features.device), logits[None], steps, 1.0)
+                              mask, logits[None], steps, 1.0)
             for s in range(steps):
                 agree[s] += out.step_accuracy[s] * out.step_counts[s]
                 count[s] += out.step_counts[s]

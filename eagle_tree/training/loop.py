@@ -49,7 +49,7 @@ from eagle_tree.training.checkpoint import (
 )
 from eagle_tree.training.config import EvalSection, TrainConfig
 from eagle_tree.training.data import DataError
-from eagle_tree.training.evaluate import evaluate_acceptance, heldout_agreement
+from eagle_tree.training.evaluate import evaluate_acceptance
 from eagle_tree.training.resolve import load_target, read_copy_prompts, read_prompts, resolve_data
 from eagle_tree.training.rundir import RunLock, claim_output_dir, resume_changes
 from eagle_tree.training.stream import DataStream, batch_targets
@@ -342,9 +342,8 @@ class _Run:
             t0 = time.perf_counter()
             head = full_head(self.draft, weights).to(self.acc.device)
             res = evaluate_acceptance(self.target, head, self.prompt_ids, self.cfg.eval, self.tokenizer.eos_token_id,
-                                      copy_ids=self.copy_ids)
-            if self.cfg.eval.agreement and self.prompt_ids:
-                res["agreement"] = heldout_agreement(self.target, head, self.prompt_ids, self.cfg.ttt.steps)
+                                      copy_ids=self.copy_ids,
+                                      agreement_steps=self.cfg.ttt.steps if self.cfg.eval.agreement else 0)
             res["step"], res["eval_s"] = self.step, time.perf_counter() - t0
             res["train_minutes"] = self.train_s / 60
             self.evals.append(res)
