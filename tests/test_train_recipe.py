@@ -137,3 +137,36 @@ def test_resume_keeps_the_step_count_resolved_from_the_budget(tmp_path, monkeypa
     assert main([*base, f"resume={out / 'checkpoints' / 'step-6'}"]) == 0
     second = json.loads((out / "train_summary.json").read_text())
     assert second["budget"] == first["budget"] and second["steps"] == resolved
+
+
+def test_heldout_agreement_counts_the_continuation_positions_only():
+    """Step-0 agreement recomputed directly: the head's prediction at j (feature j, token j+1) against the target's
+    top token for j+2, over the positions j+2 >= start whose target top token is in the draft vocabulary."""
+    import torch
+
+    from eagle_tree.models.head import Eagle3DraftModel
+    from eagle_tree.models.target import TargetModel
+    from eagle_tree.reference.tiny import tiny_causal_lm
+    from eagle_tree.training.evaluate import heldout_agreement
+    from eagle_tree.training.feature_cache import example_targets
+
+    target = TargetModel(tiny_causal_lm("llama", initializer_range=0.1), feature_layers=(1, 2, 3))
+    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(0))
+    features, logits = example_targets(target, ids)
+    # a draft vocabulary of the target's 3 most frequent top tokens here: agreement well above 0 by chance alone
+    frequent = logits.argmax(-1).bincount(minlength=128).topk(3).indices
+    head = Eagle3DraftModel.from_target(target, draft_vocab=frequent, init="target")
+    t = ids.shape[0]
+    with torch.no_grad():
+        mask = torch.ones(1, 1, t - 1, t - 1, dtype=torch.bool).tril()
+        _, draft_logits, _ = head.step(head.fuse(features[None, : t - 1]), ids[None, 1:],
+                                       torch.arange(t - 1)[None], None, mask)
+    guess = head.draft_to_target[draft_logits[0].argmax(-1)]  # (T-1,): guess for token j+2 at position j
+    top = logits.argmax(-1)  # top[j + 1]: the target's next token after j+1, i.e. token j+2
+    for start in (0, 25):
+        js = [j for j in range(t - 2) if j + 2 >= start and bool(head.t2d[top[j + 1]])]
+        expected = sum(int(guess[j] == top[j + 1]) for j in js) / len(js)
+        got = heldout_agreement(target, head, [(ids, start)], steps=2)[0]
+        assert got == pytest.approx(expected), start
+        assert 0.0 < got < 1.0
+    assert heldout_agreement(target, head, [(ids, 0)], 1) != heldout_agreement(target, head, [(ids, 25)], 1)
