@@ -3,9 +3,10 @@
 1. train an EAGLE-3 head on the reference target for a few minutes (the training-time test, online
    target features, W&B offline when no API key is set);
 2. decode the held-out test prompts with plain decoding, chain and tree drafting at temperature 0
-   and 1 (same prompts, budget and seeds for every method, interleaved per prompt);
-3. print a table (acceptance length, time per output token, speed-up over plain decoding), save the
-   survival curves as a PNG and everything as JSON, and log it all to W&B.
+   and 1 (same prompts, budget and seeds for every method, interleaved per prompt), with the fresh
+   head and, beside it, the shipped reference head (``assets/reference/head``, trained far longer);
+3. print a table (which head, acceptance length, time per output token, speed-up over plain
+   decoding), save the survival curves as a PNG and everything as JSON, and log it all to W&B.
 
 Outputs: ``results/quickstart/summary.json``, ``survival.png``, ``head/`` (the trained head).
 """
@@ -37,6 +38,9 @@ class QuickstartConfig:
     """Training data: the reference corpus's train split (or any data.path the trainer accepts)."""
     prompts: str = "assets/reference/prompts/test.jsonl"
     """Held-out prompts to decode (.jsonl with a `prompt` field)."""
+    reference_head: str | None = "assets/reference/head"
+    """A longer-trained head for the same target, decoded beside the fresh one on the same prompts (rows marked
+    `shipped`; the fresh head's rows are marked `fresh`); null: the fresh head only."""
     train_steps: int = 180
     """Optimiser steps of head training (about 2 s each on 2 cores)."""
     train_overrides: list[str] = field(default_factory=list)
@@ -77,6 +81,7 @@ class QuickstartConfig:
 
 
 QUICKSTART_KIND = "eagle-tree quickstart"
+HEADS = ("fresh", "shipped")  # the head column of the table: trained by this run / cfg.reference_head
 QUICKSTART_FILES = ("config.yaml", "summary.json", "details.json", "table.md", "survival.png", "head", "train")
 
 
@@ -117,8 +122,31 @@ def train_head(cfg: QuickstartConfig, out: Path) -> Path:
     return out / "train" / "final"
 
 
+def check_reference_head(cfg: QuickstartConfig) -> None:
+    """Refuse, before any training, a reference head that does not belong to the target."""
+    from transformers import AutoConfig
+
+    from eagle_tree.models.head_config import check_head_matches_target, text_config
+    from eagle_tree.models.layouts import read_head
+    from eagle_tree.utils.checks import InputError
+
+    if cfg.reference_head is None:
+        return
+    if not Path(cfg.reference_head).is_dir():
+        raise InputError(f"reference_head={cfg.reference_head!r} is not a head folder; give the shipped head "
+                         "(assets/reference/head), another head of this target, or reference_head=null")
+    target_config = text_config(AutoConfig.from_pretrained(cfg.target))
+    try:
+        head_cfg, _ = read_head(cfg.reference_head, target_num_layers=target_config.num_hidden_layers)
+        check_head_matches_target(head_cfg, target_config)
+    except (ValueError, FileNotFoundError) as exc:
+        raise InputError(f"reference_head={cfg.reference_head}: {exc}; give a head of {cfg.target} or "
+                         "reference_head=null") from exc
+
+
 def compare(cfg: QuickstartConfig, head_dir: Path):
-    """Decode the prompts with every method at every temperature; return summaries and outputs."""
+    """Decode the prompts with every method at every temperature, with the fresh head and the reference
+    head; return summaries (each row's ``head`` says which head drafted it) and outputs."""
     import torch
     from transformers import AutoTokenizer
 
@@ -133,8 +161,12 @@ def compare(cfg: QuickstartConfig, head_dir: Path):
     tokenizer = AutoTokenizer.from_pretrained(cfg.target)
     head_layers = json.loads((head_dir / "config.json").read_text()).get("feature_layers")
     target = TargetModel.from_pretrained(cfg.target, feature_layers=head_layers)
-    head = Eagle3DraftModel.from_pretrained(head_dir, target=target)
-    check_finite_weights(head, f"the trained head in {head_dir}")
+    heads = {"fresh": (Eagle3DraftModel.from_pretrained(head_dir, target=target), target)}
+    check_finite_weights(heads["fresh"][0], f"the trained head in {head_dir}")
+    if cfg.reference_head is not None:  # its own feature layers: a second view of the same target model
+        ref_layers = json.loads((Path(cfg.reference_head) / "config.json").read_text()).get("feature_layers")
+        ref_target = TargetModel(target.model, feature_layers=ref_layers or None)
+        heads["shipped"] = (Eagle3DraftModel.from_pretrained(cfg.reference_head, target=ref_target), ref_target)
     prompts = read_prompt_file(cfg.prompts)[: cfg.num_prompts]
     prompt_ids = encode_prompts(tokenizer, prompts, vocab_size=target.vocab_size,
                                 max_positions=max_positions(target.config), max_new_tokens=cfg.max_new_tokens,
@@ -146,38 +178,46 @@ def compare(cfg: QuickstartConfig, head_dir: Path):
         sampled = cfg.sampled_drafts and not sampling.greedy
         shapes = {"chain": TreeConfig.chain(cfg.chain_length, sampled=sampled),
                   "tree": cfg.sampled_tree if sampled else cfg.tree}
-        decoders = {"plain": SpeculativeDecoder(target)}
-        decoders |= {m: SpeculativeDecoder(target, head, tree=shape) for m, shape in shapes.items()}
-        depths = {"plain": 0} | {m: shape.depth for m, shape in shapes.items()}
-        outs: dict[str, list] = {m: [] for m in decoders}
+        decoders = {("plain", None): SpeculativeDecoder(target)}
+        decoders |= {(m, name): SpeculativeDecoder(tgt, head, tree=shape)
+                     for name, (head, tgt) in heads.items() for m, shape in shapes.items()}
+        outs: dict[tuple, list] = {key: [] for key in decoders}
+        n = len(decoders)
         for i, ids in enumerate(prompt_ids):
-            order = list(decoders)[i % 3 :] + list(decoders)[: i % 3]  # rotate who goes first
-            for method in order:
-                outs[method].append(decoders[method].generate(ids, cfg.max_new_tokens, sampling, seed=cfg.seed + i))
+            order = list(decoders)[i % n :] + list(decoders)[: i % n]  # rotate who goes first
+            for key in order:
+                outs[key].append(decoders[key].generate(ids, cfg.max_new_tokens, sampling, seed=cfg.seed + i))
         plain_tpot = None
-        for method, method_outs in outs.items():
-            s = summarize(method, temperature, method_outs, depth=depths[method]).to_dict()
+        for (method, head_name), method_outs in outs.items():
+            depth = 0 if method == "plain" else shapes[method].depth
+            s = summarize(method, temperature, method_outs, depth=depth).to_dict()
+            s["head"] = head_name
             s["shape"] = "no draft" if method == "plain" else shape_name(shapes[method])
             plain_tpot = s["time_per_output_token_s"] if method == "plain" else plain_tpot
             s["speedup"] = plain_tpot / s["time_per_output_token_s"]
             if temperature == 0.0:
-                s["outputs_match_plain"] = all(
-                    torch.equal(a.sequences, b.sequences) for a, b in zip(method_outs, outs["plain"], strict=True)
-                )
+                s["outputs_match_plain"] = all(torch.equal(a.sequences, b.sequences)
+                                               for a, b in zip(method_outs, outs[("plain", None)], strict=True))
             rows.append(s)
-            texts[f"{method}@{temperature}"] = tokenizer.decode(method_outs[0].sequences[0, prompt_ids[0].shape[1] :])
+            label = method if head_name in (None, "fresh") else f"{method}-{head_name}"
+            texts[f"{label}@{temperature}"] = tokenizer.decode(method_outs[0].sequences[0, prompt_ids[0].shape[1] :])
     return rows, texts
+
+
+def head_label(r: dict) -> str:
+    """The table's head column: '-' for plain decoding, else which head drafted the row."""
+    return {None: "-", "fresh": "fresh (this run)", "shipped": "shipped (reference)"}.get(r.get("head"), r["head"])
 
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| method | shape | temperature | acceptance length | ms / output token | speed-up "
+        "| method | head | shape | temperature | acceptance length | ms / output token | speed-up "
         "| draft / verify / other ms per round |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['method']} | {r['shape']} | {r['temperature']:g} | {r['acceptance_length']:.2f} | "
+            f"| {r['method']} | {head_label(r)} | {r['shape']} | {r['temperature']:g} | {r['acceptance_length']:.2f} | "
             f"{1000 * r['time_per_output_token_s']:.2f} | {r['speedup']:.2f}x | "
             f"{1000 * r['draft_s_per_round']:.1f} / {1000 * r['verify_s_per_round']:.1f} / "
             f"{1000 * r['other_s_per_round']:.1f} |"
@@ -196,7 +236,9 @@ def survival_plot(rows: list[dict], path: Path) -> Path:
         if r["survival"]:
             xs = list(range(1, len(r["survival"]) + 1))
             style = "-" if r["temperature"] == 0 else "--"
-            ax.plot(xs, r["survival"], style, marker="o", label=f"{r['shape']}, T={r['temperature']:g}")
+            marker = "s" if r.get("head") == "shipped" else "o"
+            ax.plot(xs, r["survival"], style, marker=marker,
+                    label=f"{r.get('head') or ''} {r['shape']}, T={r['temperature']:g}".strip())
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -240,6 +282,7 @@ def run(cfg: QuickstartConfig) -> int:
     check_output_dir(out, QUICKSTART_KIND, writes=QUICKSTART_FILES, overwrite=cfg.overwrite,
                      recognise=_is_old_quickstart)
     read_prompt_file(cfg.prompts)
+    check_reference_head(cfg)
     torch.set_num_threads(cfg.threads)
     mark_output_dir(out, QUICKSTART_KIND)
     save_config(cfg, out / "config.yaml")
@@ -248,10 +291,14 @@ def run(cfg: QuickstartConfig) -> int:
     head_dir = out / "head"
     with atomic_dir(head_dir) as tmp:
         shutil.copytree(final, tmp, dirs_exist_ok=True)
-    print(f"[2/3] decoding {cfg.num_prompts} test prompts: plain, chain, tree at temperatures {cfg.temperatures}")
+    which = "the fresh head and the reference head " + cfg.reference_head if cfg.reference_head else "the fresh head"
+    print(f"[2/3] decoding {cfg.num_prompts} test prompts: plain, chain, tree ({which}) at temperatures "
+          f"{cfg.temperatures}")
     rows, texts = compare(cfg, head_dir)
     print("[3/3] results\n")
     print(table(rows))
+    print(f"\nhead: fresh = trained by this run ({cfg.train_steps} steps, {out / 'head'})"
+          + (f"; shipped = {cfg.reference_head} (trained far longer)" if cfg.reference_head else ""))
     survival_plot(rows, out / "survival.png")
     summary = {"methods": rows, "samples": texts, "config": config_to_dict(cfg)}
     (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
@@ -259,7 +306,8 @@ def run(cfg: QuickstartConfig) -> int:
     (out / "table.md").write_text(table(rows) + "\n")
     with RunLogger(cfg.wandb, run_config=config_to_dict(cfg), job_type="quickstart") as logger:
         for r in rows:
-            key = f"{r['method']}_T{r['temperature']:g}"
+            prefix = "shipped_" if r.get("head") == "shipped" else ""
+            key = f"{prefix}{r['method']}_T{r['temperature']:g}"
             logger.summary({f"quickstart/{key}/{k}": r[k] for k in
                             ("acceptance_length", "time_per_output_token_s", "speedup")})
             if r["survival"]:

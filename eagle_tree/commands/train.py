@@ -30,8 +30,9 @@ def main(argv: list[str]) -> int:
         print(f"[eagle-tree train] {result.steps} steps, {result.tokens} tokens in {result.wall_s:.1f} s; "
               f"head in {result.final_dir}")
         for ev in result.evals:
-            print(f"[eagle-tree train] step {ev['step']}: acceptance length chain "
-                  f"{ev['acceptance_length_chain']:.3f}, tree {ev['acceptance_length_tree']:.3f}")
+            print(f"[eagle-tree train] step {ev['step']}: acceptance length " + ", ".join(
+                f"{m.replace('_', ' ')} {ev[f'acceptance_length_{m}']:.3f}" for m in ("chain", "tree", "copy_chain")
+                if f"acceptance_length_{m}" in ev))
         if result.run_dir is not None:
             print(f"[eagle-tree train] W&B run: {result.run_dir}")
     return 0

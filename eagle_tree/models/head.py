@@ -39,6 +39,7 @@ from eagle_tree.models.head_config import (
     text_config,
     vocab_maps,
 )
+from eagle_tree.models.head_init import INIT_PARTS, init_from_target
 from eagle_tree.models.layouts import read_head
 from eagle_tree.models.target import TargetModel, default_feature_layers
 from eagle_tree.utils.atomic import atomic_dir
@@ -166,12 +167,18 @@ class Eagle3DraftModel(nn.Module):
         draft_vocab: Sequence[int] | torch.Tensor | None = None,
         layers: Sequence[int] | None = None,
         seed: int | None = 0,
+        init: str = "random",
+        init_parts: Sequence[str] = INIT_PARTS,
     ) -> Eagle3DraftModel:
         """A fresh head for ``target_model`` (a TargetModel or a Hugging Face causal LM).
 
         draft_vocab: target token ids the head predicts (e.g. the most frequent loss-masked tokens);
         None = the whole target vocabulary. layers: the three feature layers (default 2, L/2, L-3).
+        init: 'random', or 'target' to copy ``init_parts`` of the target's weights where shapes allow
+        (see :mod:`eagle_tree.models.head_init`; the parts copied are in ``model.init_report``).
         """
+        if init not in ("random", "target"):
+            raise ValueError(f"init must be 'random' or 'target', got {init!r}")
         hf = target_model.model if _is_wrapper(target_model) else target_model
         tc = hf.config
         n_layers = tc.num_hidden_layers
@@ -202,6 +209,7 @@ class Eagle3DraftModel(nn.Module):
             if seed is not None:
                 torch.manual_seed(seed)
             model = cls(cfg, *vocab_maps(ids, vocab))
+        model.init_report = init_from_target(model, hf, init_parts) if init == "target" else []
         model.bind_target(target_model)
         return model.to(dtype=hf.dtype)
 

@@ -50,7 +50,7 @@ from eagle_tree.training.checkpoint import (
 from eagle_tree.training.config import EvalSection, TrainConfig
 from eagle_tree.training.data import DataError
 from eagle_tree.training.evaluate import evaluate_acceptance
-from eagle_tree.training.resolve import load_target, read_prompts, resolve_data
+from eagle_tree.training.resolve import load_target, read_copy_prompts, read_prompts, resolve_data
 from eagle_tree.training.rundir import RunLock, claim_output_dir, resume_changes
 from eagle_tree.training.stream import DataStream, batch_targets
 from eagle_tree.utils.atomic import write_text
@@ -59,6 +59,10 @@ from eagle_tree.utils.optim import adamw, lambda_schedule
 from eagle_tree.utils.tracking import WandbConfig
 
 __all__ = ["TrainResult", "TrainingDiverged", "train", "resolve_mixed_precision", "TTTLoss"]
+
+
+BUDGET_PROBE_STEPS = 6  # with schedule.max_minutes, steps 2..6 are timed to resolve the step count
+UNRESOLVED_STEPS = 10**9  # the step count until then
 
 
 class TrainingDiverged(RuntimeError):
@@ -222,8 +226,14 @@ class _Run:
         per_epoch = -(-len(self.examples) // o.batch_size)
         self.total_steps = s.max_steps if s.epochs is None else \
             max(1, math.ceil(s.epochs * per_epoch / (self.world * o.grad_accum)))
+        if s.max_minutes is not None:  # resolved after the first steps are timed (or restored on resume)
+            self.total_steps = UNRESOLVED_STEPS
+        self.train_s = 0.0  # seconds spent in optimiser steps (evaluations and checkpoints not counted)
+        self.evals_by_time = 0  # multiples of eval.every_minutes already evaluated
+        self.budget: dict | None = None  # with schedule.max_minutes: the timing that set total_steps
         self.optimizer = adamw(draft, o.lr, o.weight_decay, o.betas, o.eps)
-        self.scheduler = lambda_schedule(self.optimizer, s.warmup_steps, self.total_steps, s.kind, s.min_lr_ratio)
+        self.scheduler = lambda_schedule(self.optimizer, s.warmup_steps, lambda: self.total_steps, s.kind,
+                                         s.min_lr_ratio)
         self.module, self.optimizer = acc.prepare(TTTLoss(draft, cfg.ttt.steps, cfg.ttt.decay), self.optimizer)
         self.draft = acc.unwrap_model(self.module).draft
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -231,10 +241,12 @@ class _Run:
         self.step, self.tokens, self.tokens_rank = 0, 0, 0
         self._restore()
 
-        self.prompts_given = cfg.eval.prompts is not None
+        self.prompts_given = cfg.eval.prompts is not None or cfg.eval.copy_prompts is not None
         prompts = read_prompts(cfg) if self.main else []
         self.prompt_ids = [self.tokenizer(p, return_tensors="pt")["input_ids"][0][-cfg.eval.max_prompt_tokens:]
                            .to(acc.device) for p in prompts]
+        copies = read_copy_prompts(cfg) if self.main else []
+        self.copy_ids = [self.tokenizer(p, return_tensors="pt")["input_ids"][0].to(acc.device) for p in copies]
         self.logger = self._logger()
         self.evals: list[dict] = []
         self.metrics: dict = {}
@@ -272,8 +284,13 @@ class _Run:
         if source is not None:
             return Eagle3DraftModel.from_pretrained(source, target=self.target).float().train()
         ids = build_draft_vocab(self.examples, self.target.vocab_size, self.cfg.data.draft_vocab_size)
-        return Eagle3DraftModel.from_target(self.target, draft_vocab=ids, layers=self.target.feature_layers,
-                                            seed=self.cfg.model.seed).float().train()
+        m = self.cfg.model
+        head = Eagle3DraftModel.from_target(self.target, draft_vocab=ids, layers=self.target.feature_layers,
+                                            seed=m.seed, init=m.init, init_parts=m.init_parts)
+        if m.init == "target" and self.main:
+            print(f"[eagle-tree train] head initialised from the target: {', '.join(head.init_report) or 'nothing'} "
+                  f"(of {', '.join(m.init_parts)})", flush=True)
+        return head.float().train()
 
     def _feature_cache(self, draft):
         if self.cfg.features.source != "cache":
@@ -296,6 +313,12 @@ class _Run:
         state = load_training_state(self.acc, self.resume_from, self.optimizer, self.scheduler)
         progress = state["progress"]
         self.step, self.tokens = state["step"], progress["tokens"]
+        self.train_s = progress.get("train_s", 0.0)
+        if self.cfg.eval.every_minutes is not None:
+            self.evals_by_time = int(self.train_s // (self.cfg.eval.every_minutes * 60))
+        if self.cfg.schedule.max_minutes is not None and progress.get("budget"):  # the step count timed at the start
+            self.budget = progress["budget"]
+            self.total_steps = self.budget["resolved_steps"]
         self.stream.epoch, self.stream.index = progress["epoch"], progress["index"]
         per_rank = progress.get("tokens_rank", [])
         self.tokens_rank = per_rank[self.rank] if len(per_rank) == self.world else 0
@@ -315,21 +338,28 @@ class _Run:
     def evaluate(self) -> None:
         """Real acceptance lengths (chain and tree) of the current head, logged with the survival curves."""
         weights = self.acc.get_state_dict(self.module) if self.prompts_given else None  # collective (FSDP)
-        if self.main and self.prompt_ids:
+        if self.main and (self.prompt_ids or self.copy_ids):
             t0 = time.perf_counter()
             head = full_head(self.draft, weights).to(self.acc.device)
-            res = evaluate_acceptance(self.target, head, self.prompt_ids, self.cfg.eval, self.tokenizer.eos_token_id)
+            res = evaluate_acceptance(self.target, head, self.prompt_ids, self.cfg.eval, self.tokenizer.eos_token_id,
+                                      copy_ids=self.copy_ids,
+                                      agreement_steps=self.cfg.ttt.steps if self.cfg.eval.agreement else 0)
             res["step"], res["eval_s"] = self.step, time.perf_counter() - t0
+            res["train_minutes"] = self.train_s / 60
             self.evals.append(res)
-            self.logger.log({f"eval/acceptance_length_{m}": res[f"acceptance_length_{m}"] for m in ("chain", "tree")},
-                            step=self.step)
-            for mode in ("chain", "tree"):
+            scalars = {f"eval/acceptance_length_{m}": res[f"acceptance_length_{m}"]
+                       for m in ("chain", "tree", "copy_chain") if f"acceptance_length_{m}" in res}
+            scalars |= {f"eval/acc_{s}": a for s, a in enumerate(res.get("agreement", []))}
+            self.logger.log({**scalars, "eval/train_minutes": res["train_minutes"]}, step=self.step)
+            for mode in ("chain", "tree", "copy_chain"):
+                if f"survival_{mode}" not in res:
+                    continue
                 curve = res[f"survival_{mode}"]
                 self.logger.log_line(f"eval/survival_{mode}", list(range(1, len(curve) + 1)), curve,
                                      title=f"Pr(A >= i), {mode}, step {self.step}", x_name="i",
                                      y_name="Pr(A >= i)", step=self.step)
-            print(f"[eagle-tree train] step {self.step}: acceptance length chain "
-                  f"{res['acceptance_length_chain']:.3f}  tree {res['acceptance_length_tree']:.3f}", flush=True)
+            print(f"[eagle-tree train] step {self.step}: " + "  ".join(
+                f"{k.removeprefix('eval/')} {v:.3f}" for k, v in scalars.items()), flush=True)
         self.acc.wait_for_everyone()
 
     def train_step(self) -> tuple[list, list, int, float]:
@@ -378,7 +408,8 @@ class _Run:
         return gather_object(self.acc, self.tokens_rank)
 
     def checkpoint(self) -> None:
-        progress = {**self.stream.position(), "tokens": self.tokens, "tokens_rank": self._tokens_per_rank()}
+        progress = {**self.stream.position(), "tokens": self.tokens, "tokens_rank": self._tokens_per_rank(),
+                    "budget": self.budget, "train_s": self.train_s}
         ckpt = save_checkpoint(self.acc, self.cfg, self.module, self.draft, self.optimizer, self.scheduler,
                                progress, self.step, self.run_id or "")
         if self.main:
@@ -389,7 +420,7 @@ class _Run:
         """A W&B model artifact for a saved head, with the run config and the latest measured acceptance."""
         from eagle_tree.models.export import log_head_artifact
 
-        latest = self.evals[-1]["acceptance_length_tree"] if self.evals else None
+        latest = self.evals[-1].get("acceptance_length_tree") if self.evals else None
         log_head_artifact(self.logger, head_dir, name, self.cfg, latest)
 
     def run(self) -> TrainResult:
@@ -401,10 +432,16 @@ class _Run:
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step",
                    disable=not (self.main and cfg.progress))
         start = time.perf_counter()
+        step_times: list[float] = []
         while self.step < self.total_steps:
             t0 = time.perf_counter()
             outs, losses, n_tokens, lr = self.train_step()
             self.step += 1
+            step_times.append(time.perf_counter() - t0)
+            self.train_s += step_times[-1]
+            if cfg.schedule.max_minutes is not None and self.budget is None and len(step_times) == BUDGET_PROBE_STEPS:
+                self._resolve_budget(step_times[1:])  # the first step pays one-off costs
+                bar.total = self.total_steps
             self._check_finite(losses)
             self.tokens_rank += n_tokens
             if self.world > 1:
@@ -419,7 +456,8 @@ class _Run:
                 bar.set_postfix(loss=f"{self.metrics['train/loss']:.3f}", acc0=f"{self.metrics['train/acc_0']:.2f}",
                                 tok_s=f"{self.metrics['train/tokens_per_s']:.0f}", refresh=False)
             bar.update(1)
-            if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < self.total_steps:
+            by_steps = bool(cfg.eval.every) and self.step % cfg.eval.every == 0
+            if (by_steps or self._eval_due_by_time()) and self.step < self.total_steps:
                 self.evaluate()
             if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
                 self.checkpoint()
@@ -428,6 +466,31 @@ class _Run:
         if cfg.eval.at_end:
             self.evaluate()
         return self.finish(wall)
+
+    def _eval_due_by_time(self) -> bool:
+        """Whether the training time crossed the next multiple of eval.every_minutes (one evaluation per crossing)."""
+        every = self.cfg.eval.every_minutes
+        if every is None:
+            return False
+        crossed = int(self.train_s // (every * 60))
+        if crossed <= self.evals_by_time:
+            return False
+        self.evals_by_time = crossed
+        return True
+
+    def _resolve_budget(self, step_times: list[float]) -> None:
+        """schedule.max_minutes -> total_steps from the mean time of the timed steps (the mean over ranks)."""
+        step_s = sum(step_times) / len(step_times)
+        if self.world > 1:
+            step_s = float(self.acc.reduce(torch.tensor(step_s, device=self.acc.device), reduction="mean"))
+        minutes = self.cfg.schedule.max_minutes
+        self.total_steps = max(BUDGET_PROBE_STEPS, int(minutes * 60 / step_s))
+        self.budget = {"max_minutes": minutes, "measured_step_s": round(step_s, 5), "timed_steps": len(step_times),
+                       "resolved_steps": self.total_steps}
+        self.logger.summary({"run/total_steps": self.total_steps, "run/measured_step_s": step_s})
+        if self.main:
+            print(f"[eagle-tree train] schedule.max_minutes={minutes:g}: {step_s:.3f} s/step -> "
+                  f"{self.total_steps} steps", flush=True)
 
     def finish(self, wall: float) -> TrainResult:
         """Save the final head (DIR/final, with the resolved config), the summary, and close the W&B run."""
@@ -442,12 +505,14 @@ class _Run:
             _save_untuned_decoding_defaults(final_dir, self.cfg.eval)
             summary = {"steps": self.step, "tokens": self.tokens, "wall_s": round(wall, 2), "world_size": self.world,
                        "tokens_per_rank": tokens_per_rank, "mixed_precision": self.precision,
-                       "final_metrics": self.metrics, "evals": self.evals, "final_dir": str(final_dir)}
+                       "final_metrics": self.metrics, "evals": self.evals, "final_dir": str(final_dir),
+                       "budget": self.budget, "train_s": self.train_s}
             write_text(self.out_dir / "train_summary.json", json.dumps(summary, indent=1) + "\n")
             self.logger.summary(self.metrics)
             if self.evals:
                 self.logger.summary({f"eval/acceptance_length_{m}": self.evals[-1][f"acceptance_length_{m}"]
-                                     for m in ("chain", "tree")})
+                                     for m in ("chain", "tree", "copy_chain")
+                                     if f"acceptance_length_{m}" in self.evals[-1]})
             self._log_head(final_dir, "head-final")
         run_dir = self.logger.run_dir
         self.logger.finish()

@@ -12,7 +12,7 @@ from eagle_tree.reference.corpus import split_jsonl
 from eagle_tree.training.config import TrainConfig
 from eagle_tree.training.data import DataConfig
 
-__all__ = ["load_target", "resolve_data", "read_prompts"]
+__all__ = ["load_target", "resolve_data", "read_prompts", "read_copy_prompts"]
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,4 +65,18 @@ def read_prompts(cfg: TrainConfig) -> list[str]:
     path = _toy_assets(cfg).prompts_file if spec == "toy" else Path(spec)
     prompts = read_prompt_texts(path)
     return prompts[: cfg.eval.num_prompts]
+
+
+def read_copy_prompts(cfg: TrainConfig) -> list[str]:
+    """The copying prompts (``eval.copy_prompts``: a style of eagle_tree.reference.copying or a file)."""
+    spec, n = cfg.eval.copy_prompts, cfg.eval.copy_num_prompts
+    if spec is None:
+        return []
+    from eagle_tree.reference.copying import COPY_STYLES, copy_prompts
+
+    if spec in COPY_STYLES:
+        return copy_prompts(spec, n, seed=0)
+    from eagle_tree.utils.prompts import read_prompts as read_prompt_texts
+
+    return read_prompt_texts(Path(spec))[:n]
 

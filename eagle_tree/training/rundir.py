@@ -163,7 +163,7 @@ def resume_changes(cfg, ckpt: Path, ckpt_step: int) -> list[str]:
             refused.append(f"  {key}: {a!r} -> {b!r} cannot take effect ({reason})")
         else:
             lines.append(f"  {key}: {a!r} -> {b!r} takes effect from step {ckpt_step}")
-    if cfg.schedule.epochs is None and cfg.schedule.max_steps < ckpt_step:
+    if cfg.schedule.epochs is None and cfg.schedule.max_minutes is None and cfg.schedule.max_steps < ckpt_step:
         refused.append(f"  schedule.max_steps={cfg.schedule.max_steps} is below the checkpoint's step {ckpt_step}")
     if refused:
         raise RunFolderError(

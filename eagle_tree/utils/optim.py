@@ -7,6 +7,7 @@ then a cosine or linear decay to ``min_lr_ratio`` of the peak at ``total_steps``
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -28,11 +29,13 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, kind: ScheduleKind
     return min_lr_ratio + (1.0 - min_lr_ratio) * shape
 
 
-def lambda_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
+def lambda_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int | Callable[[], int],
                     kind: ScheduleKind = "cosine", min_lr_ratio: float = 0.0) -> torch.optim.lr_scheduler.LambdaLR:
-    """:func:`lr_factor` as a resumable scheduler (its state is the step count)."""
+    """:func:`lr_factor` as a resumable scheduler (its state is the step count). ``total_steps`` may be a
+    function, read at every step (a step count resolved after the first steps, from a time budget)."""
+    total = total_steps if callable(total_steps) else (lambda: total_steps)
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda n: lr_factor(n, warmup_steps, total_steps, kind, min_lr_ratio))
+        optimizer, lambda n: lr_factor(n, warmup_steps, total(), kind, min_lr_ratio))
 
 
 def adamw(model: torch.nn.Module, lr: float, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95),

@@ -1,0 +1,79 @@
+"""The training study end to end on the toy target with budgets of seconds: every variant trained for the
+same budget, results.json / table.md / curves.png written, each variant and the study logged to W&B, a
+rerun keeping the finished variants."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from eagle_tree.reference.toy import default_cache_dir
+from eagle_tree.training.study import StudyConfig, run_study, study_table
+from eagle_tree.utils.config import ConfigError, load_config
+from eagle_tree.utils.wandb_records import read_run
+
+ROOT = Path(__file__).resolve().parents[1]
+TOY_CACHE = str(default_cache_dir())
+
+
+def _study(out: Path, **kw) -> StudyConfig:
+    common = [f"target.toy_cache_dir={TOY_CACHE}", "eval.num_prompts=2", "eval.max_new_tokens=10",
+              "eval.copy_prompts=toy", "eval.copy_num_prompts=2", "eval.copy_max_new_tokens=10",
+              "eval.tree_depth=3", "eval.tree_top_k=2", "eval.tree_total_tokens=6"]
+    return load_config(StudyConfig, None, [
+        f"output_dir={out}", "name=toy-study", f"base={ROOT / 'configs' / 'smoke.yaml'}", "minutes=0.04",
+        "eval_every_minutes=0.02", "threads=1", f"common={json.dumps(common)}",
+        'variants={"random": [], "target-init": ["model.init=target"]}', *kw.pop("extra", [])])
+
+
+@pytest.mark.slow
+def test_study_trains_every_variant_for_the_same_budget_and_reports(tmp_path, monkeypatch, capsys):
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL", "NETRC"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    out = tmp_path / "study"
+    results = run_study(_study(out))
+    assert set(results["variants"]) == {"random", "target-init"}
+    for name, v in results["variants"].items():
+        assert v["budget"]["max_minutes"] == 0.04 and v["steps"] == v["budget"]["resolved_steps"]
+        minutes = [p["minutes"] for p in v["points"]]
+        assert minutes[0] == 0.0 and minutes == sorted(minutes) and len(minutes) >= 3  # start, >= 1 by time, end
+        for p in v["points"]:
+            assert p["acceptance_length_chain"] >= 1.0 and p["acceptance_length_copy_chain"] >= 1.0
+            assert 0.0 <= p["acc_0"] <= 1.0
+        assert (out / name / "final" / "model.safetensors").is_file()
+    table = (out / "table.md").read_text()
+    assert "| random | (base) |" in table and "| target-init | `model.init=target` |" in table
+    assert table.strip() == study_table(results)
+    assert (out / "curves.png").stat().st_size > 5000
+    assert json.loads((out / "results.json").read_text())["variants"].keys() == results["variants"].keys()
+    runs = [read_run(p) for p in (tmp_path / "wandb").glob("offline-run-*")]
+    by_type = sorted(r.job_type for r in runs)
+    assert by_type == ["study", "train", "train"]
+    study_run = next(r for r in runs if r.job_type == "study")
+    final = results["variants"]["target-init"]["points"][-1]
+    assert study_run.summary["study/target-init/acceptance_length_copy_chain"] == pytest.approx(
+        final["acceptance_length_copy_chain"])
+    # a rerun keeps the finished variants (same resolved config) and trains only a changed one
+    capsys.readouterr()
+    again = run_study(_study(out, extra=['variants={"random": [], "target-init": ["model.init=target", '
+                                          '"optim.lr=1e-3"]}']))
+    printed = capsys.readouterr().out
+    assert "random: kept" in printed and "target-init: training" in printed
+    assert again["variants"]["random"] == results["variants"]["random"]
+
+
+def test_study_config_refusals(tmp_path):
+    with pytest.raises(ConfigError, match="only names unknown variant"):
+        load_config(StudyConfig, None, ["only=[nope]"])
+    with pytest.raises(ConfigError, match="cannot name a folder"):
+        load_config(StudyConfig, None, ['variants={"a/b": []}'])
+    from eagle_tree.training.study import variant_config
+
+    study = load_config(StudyConfig, ROOT / "configs" / "study-reference.yaml", [])
+    for name in study.variants:  # every variant of the reference study resolves to a valid training config
+        cfg = variant_config(study, name)
+        assert cfg.schedule.max_minutes == study.minutes and cfg.eval.copy_prompts == "code"
