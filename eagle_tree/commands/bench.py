@@ -250,14 +250,9 @@ def tune_shapes(cfg: BenchConfig, models, tuning_ids, out_dir: Path, **common):
 
 
 def main(argv: list[str]) -> int:
-    cfg = parse_cli(BenchConfig, argv, prog="eagle-tree bench")
-    from eagle_tree.utils.checks import InputError
+    from eagle_tree.utils.checks import exit_on_input_error
 
-    try:
-        return run(cfg)
-    except InputError as exc:
-        print(f"eagle-tree bench: {exc}", file=sys.stderr)
-        return 2
+    return exit_on_input_error("eagle-tree bench", run, parse_cli(BenchConfig, argv, prog="eagle-tree bench"))
 
 
 def run(cfg: BenchConfig) -> int:

@@ -156,14 +156,9 @@ def encode(prompts, target, tokenizer, max_new_tokens: int, truncate: str):
 
 
 def main(argv: list[str]) -> int:
-    cfg = parse_cli(DecodeConfig, argv, prog="eagle-tree decode")
-    from eagle_tree.utils.checks import InputError
+    from eagle_tree.utils.checks import exit_on_input_error
 
-    try:
-        return run(cfg)
-    except InputError as exc:
-        print(f"eagle-tree decode: {exc}", file=sys.stderr)
-        return 2
+    return exit_on_input_error("eagle-tree decode", run, parse_cli(DecodeConfig, argv, prog="eagle-tree decode"))
 
 
 def run(cfg: DecodeConfig) -> int:
@@ -204,7 +199,7 @@ def run(cfg: DecodeConfig) -> int:
         logger.summary({f"decode/{k}": v for k, v in summary.to_dict().items() if isinstance(v, int | float)})
     print("\n" + format_summary(summary))
     if cfg.output:
-        from eagle_tree.utils.outputs import write_text
+        from eagle_tree.utils.atomic import write_text
 
         Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
         write_text(cfg.output, json.dumps({"summary": summary.to_dict(), "prompts": records}, indent=2))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -255,14 +254,10 @@ def survival_plot(rows: list[dict], path: Path) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    cfg = parse_cli(QuickstartConfig, argv, prog="eagle-tree quickstart")
-    from eagle_tree.utils.checks import InputError
+    from eagle_tree.utils.checks import exit_on_input_error
 
-    try:
-        return run(cfg)
-    except InputError as exc:
-        print(f"eagle-tree quickstart: {exc}", file=sys.stderr)
-        return 2
+    prog = "eagle-tree quickstart"
+    return exit_on_input_error(prog, run, parse_cli(QuickstartConfig, argv, prog=prog))
 
 
 def run(cfg: QuickstartConfig) -> int:

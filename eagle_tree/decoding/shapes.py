@@ -35,7 +35,7 @@ from typing import Literal
 
 from eagle_tree.decoding.context import ContextConfig
 from eagle_tree.decoding.drafting import TreeConfig
-from eagle_tree.utils.outputs import write_text
+from eagle_tree.utils.atomic import write_text
 
 SHAPES_FORMAT = "eagle-tree/shapes/v1"
 DECODING_FORMAT = "eagle-tree/decoding/v1"

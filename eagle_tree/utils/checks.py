@@ -20,6 +20,18 @@ class InputError(ValueError):
     """An input (path, file, model, value) the user must change; the message says how."""
 
 
+def exit_on_input_error(prog: str, run, cfg) -> int:
+    """``run(cfg)`` for a command: an :class:`InputError` is printed as ``prog: message`` (no
+    traceback) and gives exit status 2."""
+    import sys
+
+    try:
+        return run(cfg)
+    except InputError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+
+
 def check_range(name: str, value, low: float, allow_none: bool = False, meaning: str = "",
                 integer: bool = True) -> None:
     """A config value that must be an integer (or, with ``integer=False``, a number) >= ``low`` (or None

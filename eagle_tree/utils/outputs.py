@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Callable, Collection
 from pathlib import Path
 
+from eagle_tree.utils.atomic import write_text
 from eagle_tree.utils.checks import InputError
 
 MARKER = ".eagle-tree-output.json"
@@ -102,21 +102,6 @@ def mark_output_dir(path: str | Path, kind: str) -> None:
     """Record in the folder ``path`` (created if needed) that ``kind`` wrote it."""
     Path(path).mkdir(parents=True, exist_ok=True)
     write_text(Path(path) / MARKER, json.dumps({"kind": kind}) + "\n")
-
-
-def write_text(path: str | Path, text: str) -> Path:
-    """Write ``text`` to ``path`` atomically: a temporary file beside it, then a rename."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def written_by(path: str | Path) -> str | None:
