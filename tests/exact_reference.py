@@ -481,7 +481,7 @@ def _emitted_law_per_path(kind: str, shape, target: DistFn, n_emit: int, token_f
 # ----------------------------------------------------------------------------- mixed nodes
 #
 # A node whose children come from two proposers: point masses copied from the context beside
-# children from the head (drawn from q, or the head's top-k). EXACTNESS.md, "Mixed nodes".
+# children from the head (drawn from q, or the head's top-k). docs/EXACTNESS.md, "Mixed nodes".
 
 
 @dataclass(frozen=True)
