@@ -1,4 +1,4 @@
-"""Per-round time split of plain, chain and tree decoding on the shipped reference target (MEASURING.md).
+"""Per-round time split of plain, chain and tree decoding on the shipped reference target (docs/MEASURING.md).
 
 Usage: python decode/time_split.py [--target assets/reference/target] [--head assets/reference/head]
        [--prompts assets/reference/prompts/test.jsonl] [--limit 4] [--new-tokens 64] [--repeats 2]

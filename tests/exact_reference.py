@@ -1,6 +1,6 @@
 """Exact reference for speculative verification: pure Python, ``fractions.Fraction`` throughout.
 
-This module mirrors EXACTNESS.md section 2 and is the yardstick of the exactness suite. It knows
+This module mirrors docs/EXACTNESS.md ("The verification rules") and is the yardstick of the exactness suite. It knows
 nothing of ``eagle_tree``; the tests compare the real tensor implementation against it (Monte Carlo)
 and compare its own output laws against the target's law (exact enumeration).
 
@@ -17,7 +17,7 @@ Two ways to use it:
   token, and the target then continues token by token. Every draft outcome is enumerated with its
   exact probability. Compare with ``target_law``.
 
-Known wrong rules (the negative controls of EXACTNESS.md section 4.3) are switched on through
+Known wrong rules (the negative controls in docs/EXACTNESS.md, "Claims and the tests") are switched on through
 ``Rules``; a check that accepts them proves nothing.
 """
 
@@ -183,7 +183,7 @@ def proposal_laws(tokens: Sequence[int], q: Dist | None, kind: str, vocab: int) 
 def check_children(
     tokens: Sequence[int], p: Dist, q: Dist | None, kind: str, rules: Rules = CORRECT
 ) -> list[tuple[Fraction, int | None, Dist]]:
-    """Exact outcomes of verifying the children of one node (EXACTNESS.md section 2).
+    """Exact outcomes of verifying the children of one node (docs/EXACTNESS.md, "The verification rules").
 
     tokens: the children's tokens in proposal order; p: the target at the node; q: the draft law the
     children were proposed from (None allowed for deterministic proposals).
@@ -481,7 +481,7 @@ def _emitted_law_per_path(kind: str, shape, target: DistFn, n_emit: int, token_f
 # ----------------------------------------------------------------------------- mixed nodes
 #
 # A node whose children come from two proposers: point masses copied from the context beside
-# children from the head (drawn from q, or the head's top-k). EXACTNESS.md, "Mixed nodes".
+# children from the head (drawn from q, or the head's top-k). docs/EXACTNESS.md, "Mixed nodes".
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""SpeculativeDecoder on tiny Hugging Face models: the model-level exactness suite (EXACTNESS.md 4.4).
+"""SpeculativeDecoder on tiny HF models: the model-level exactness suite (docs/EXACTNESS.md, "Model-level checks").
 
 - Greedy: speculative output equals plain greedy output token for token (float32), chain and tree,
   four families, with an untrained head and with a scripted drafter whose trees hide the target's

@@ -4,7 +4,7 @@ cache contract, catch-up chunking, sampled trees (Gumbel-top-k, no pruning, thei
 The reference below recomputes the draft logits of every node as a chain (committed pairs, then the
 node's ancestors and itself) with ``Eagle3DraftModel.step`` and explicit keys and values, i.e.
 without the drafter's tree mask, cache slots or batching; trees are then grown from those logits by
-the rule of ARCHITECTURE.md (top-k children per frontier node, the top-k nodes of a level by
+the rule of docs/ARCHITECTURE.md (top-k children per frontier node, the top-k nodes of a level by
 cumulative log-probability expanded next, a global rerank keeping ``total_tokens`` nodes).
 Logits are compared at atol 1e-5 (float32).
 """

@@ -1,4 +1,4 @@
-"""Exactness by enumeration (EXACTNESS.md section 4.1): every draft and verifier outcome, in Fractions.
+"""Exactness by enumeration (docs/EXACTNESS.md, "Claims and the tests"): every draft and verifier outcome, in Fractions.
 
 The reference algorithm lives in ``tests/exact_reference.py``; here its output law is compared with
 the target's for every proposal kind, and every known wrong rule is shown to break the equality.
@@ -30,7 +30,7 @@ from tests.exact_reference import (
     verify_law,
 )
 
-# The worked example of EXACTNESS.md section 3: tokens A, B, C.
+# The worked example of docs/EXACTNESS.md ("A worked example"): tokens A, B, C.
 P = dist("0.5", "0.3", "0.2")
 Q = dist("0.2", "0.2", "0.6")
 

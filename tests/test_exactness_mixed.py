@@ -1,4 +1,4 @@
-"""Mixed nodes by exact enumeration (EXACTNESS.md, "Mixed nodes"): point masses copied from the
+"""Mixed nodes by exact enumeration (docs/EXACTNESS.md, "Mixed nodes"): point masses copied from the
 context beside children from the head, in Fractions, against the target's law; negative controls.
 
 The reference is ``tests/exact_reference.py`` (``mixed_checks``, ``check_mixed``,

@@ -1,4 +1,4 @@
-"""Exactness by seeded Monte Carlo on the real tensor verifier (EXACTNESS.md section 4.2 and 4.3).
+"""Exactness by seeded Monte Carlo on the real tensor verifier (docs/EXACTNESS.md, "Claims and the tests").
 
 One round of speculation: a draft proposes a chain or a tree over a tiny vocabulary (its randomness
 from its own generator), ``eagle_tree.verify_tree`` accepts a path and emits one more token (its

@@ -1,4 +1,4 @@
-"""The public Python API exactly as ARCHITECTURE.md writes it ("Public Python API"), and the promise
+"""The public Python API exactly as docs/ARCHITECTURE.md writes it ("Public Python API"), and the promise
 that ``import eagle_tree`` stays light."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The processed distribution p (EXACTNESS.md section 1): Hugging Face's warpers, in their order."""
+"""The processed distribution p (docs/EXACTNESS.md, "The distribution contract"): HF's warpers, in their order."""
 
 from __future__ import annotations
 

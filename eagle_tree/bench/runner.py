@@ -1,4 +1,4 @@
-"""Side-by-side runs of decoding methods on one target (docs/MEASURING.md).
+"""Side-by-side runs of decoding methods on one target (docs/MEASURING.md, "The bench").
 
 Every method is run on the same target object, tokenised prompts, sampling settings, seeds and
 output budget, in an interleaved order (:func:`interleaved_schedule`), and every call returns a

@@ -1,4 +1,4 @@
-"""``eagle-tree demo``: the exact verifier on a three-token example (docs/EXACTNESS.md)."""
+"""``eagle-tree demo``: the exact verifier on a three-token example (docs/EXACTNESS.md, "A worked example")."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Node ``i`` has parent ``parents[i]`` in ``{-1, 0, .., i-1}`` (-1: a child of the
 last committed token) and token ``tokens[i]``. Nodes are in topological order, children of a node
 in proposal order (their index order). A chain is ``parents = [-1, 0, 1, ...]``.
 
-Mixed nodes (EXACTNESS.md, "Mixed nodes"): under the sampled verification rules, ``point_mass[i]``
+Mixed nodes (docs/EXACTNESS.md, "Mixed nodes"): under the sampled verification rules, ``point_mass[i]``
 marks node ``i`` as proposed by a point mass (a token copied from the context) beside siblings
 drawn from ``q``; and ``phantoms`` lists drawn children that repeat the token of a point-mass
 sibling checked before them: ``(parent, slot, token)`` is checked after the first ``slot`` children

@@ -1,4 +1,4 @@
-"""Exact acceptance for a draft tree: branch-wise residuals (see EXACTNESS.md).
+"""Exact acceptance for a draft tree: branch-wise residuals (docs/EXACTNESS.md, "The verification rules").
 
 Notation: ``p`` is the target's processed distribution at a node, ``q`` the law the node's children
 were proposed from, ``r`` the running residual. Children of a node are checked in proposal order:

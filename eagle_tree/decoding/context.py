@@ -17,7 +17,7 @@ leaves them; siblings never repeat a token in the target's forward. Every contex
 mass (a deterministic function of the committed text). Under the sampled rules the verifier is told
 so through ``Tree.point_mass``, and a head child drawn from ``q`` that repeats a context token
 checked before it stays in the check order as a phantom (``Tree.phantoms``: checked, rejected with
-certainty, its residual update applied, no row in the forward). EXACTNESS.md, "Mixed nodes".
+certainty, its residual update applied, no row in the forward). docs/EXACTNESS.md, "Mixed nodes".
 
 Budget: context nodes are counted beside ``TreeConfig.total_tokens``: the head's tree is grown as
 without context, and the context adds at most ``branches * lookup_tokens`` nodes (fewer where it

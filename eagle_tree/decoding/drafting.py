@@ -12,7 +12,7 @@ verified with the "deterministic" rule (or "greedy" at temperature 0).
 Sampled trees (``sampled=True``): each expanded node draws ``top_k`` children without replacement
 from its processed draft distribution ``q`` (Gumbel-top-k, from the drafter's own generator), and no
 sampled child is ever pruned; whole levels are dropped only by a rule fixed by the config. They
-are verified with the "without_replacement" rule. Both kinds are exact (EXACTNESS.md).
+are verified with the "without_replacement" rule. Both kinds are exact (docs/EXACTNESS.md, "Sampled trees").
 
 Growth is tensor work: per level one sort of the previous level's scores picks the frontier, one head
 forward feeds it, one top-k (or one Gumbel-top-k draw from the drafter's generator) over the whole

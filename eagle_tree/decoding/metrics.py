@@ -1,4 +1,4 @@
-"""Acceptance and timing figures over many generations (MEASURING.md).
+"""Acceptance and timing figures over many generations (docs/MEASURING.md, "Figures over many calls").
 
 Acceptance length (tau) = committed tokens / speculative rounds, counting the correction or bonus
 token. Time per output token = cumulative wall time / cumulative committed tokens, never a mean of

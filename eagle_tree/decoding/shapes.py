@@ -1,4 +1,4 @@
-"""Choosing the draft shape from measurements (MEASURING.md, "Choosing draft shape").
+"""Choosing the draft shape from measurements (docs/MEASURING.md, "The bench", step 4).
 
 Per shape, the per-round means ``C`` (seconds: drafting + verification + the rest) and ``K`` (tokens
 committed: accepted draft tokens + the correction or bonus token) give the steady-state time per

@@ -4,7 +4,7 @@ micro-batches in ``stream``, checkpoint I/O in ``checkpoint``, the run folder's 
 checks in ``rundir``, the target / data / prompts in ``resolve``, evaluation in ``evaluate``, and the
 optimiser and schedule in ``eagle_tree.utils.optim``.
 
-Flow (ARCHITECTURE.md, "Training flow")::
+Flow (docs/ARCHITECTURE.md, "Training flow")::
 
     examples (data.py) -> per micro-batch: target features + logits, online (feature_cache.example_targets
     under no_grad) or from a FeatureCache -> ttt_forward (the training-time test) -> accelerate
