@@ -16,7 +16,8 @@ from transformers.generation.logits_process import (
 )
 
 from eagle_tree import SamplingConfig, processed_probs
-from eagle_tree.core.sampling import greedy_token, sample_token
+from eagle_tree.core.sampling import greedy_token
+from eagle_tree.core.verify import sample_token
 
 
 def hf_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -219,9 +220,9 @@ def test_invalid_logits_raise(logits, match, temperature):
 def test_sample_token_uses_the_callers_generator():
     probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
     g1, g2 = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
-    seq1 = [sample_token(probs, g1) for _ in range(50)]
+    seq1 = [sample_token(probs, False, g1) for _ in range(50)]
     state = torch.get_rng_state()
-    seq2 = [sample_token(probs, g2) for _ in range(50)]
+    seq2 = [sample_token(probs, False, g2) for _ in range(50)]
     assert seq1 == seq2 and all(isinstance(t, int) for t in seq1)
     assert torch.equal(state, torch.get_rng_state())  # the global generator is untouched
 
@@ -230,6 +231,11 @@ def test_sample_token_law():
     """10_000 draws from (0.5, 0.3, 0.2, 0): chi-square at 1e-6, token 3 never drawn."""
     probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
     g = torch.Generator().manual_seed(10)
-    counts = np.bincount([sample_token(probs, g) for _ in range(10_000)], minlength=4)
+    counts = np.bincount([sample_token(probs, False, g) for _ in range(10_000)], minlength=4)
     assert counts[3] == 0
     assert stats.chisquare(counts[:3], np.array([0.5, 0.3, 0.2]) * 10_000).pvalue > 1e-6
+
+
+def test_sample_token_greedy_is_the_argmax_with_smallest_id_on_ties():
+    probs = torch.tensor([0.1, 0.4, 0.4, 0.1])
+    assert sample_token(probs, True, None) == 1

@@ -78,11 +78,6 @@ def processed_probs(logits: torch.Tensor, sampling: SamplingConfig, check: bool 
     return scores.softmax(dim=-1)
 
 
-def sample_token(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """Draw one token id from a distribution (V,) with the caller's generator."""
-    return int(torch.multinomial(probs.double(), 1, generator=generator).item())
-
-
 def _check_logits(logits: torch.Tensor) -> None:
     if logits.dim() == 0:
         raise ValueError("logits must have a vocabulary dimension, got a scalar")
