@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from eagle_tree.commands.decode import CommandSampling
+from eagle_tree.commands.decode import GenerationOptions
 from eagle_tree.decoding.context import ContextConfig
 from eagle_tree.decoding.drafting import TreeConfig
 from eagle_tree.utils.checks import check_range
@@ -35,7 +35,7 @@ MethodKind = Literal["plain", "hf_generate", "hf_assisted", "hf_prompt_lookup", 
 
 
 @dataclass
-class BenchConfig:
+class BenchConfig(GenerationOptions):
     """Benchmark eagle-tree (plain, chain, tree) against HF generate, assisted generation and prompt lookup."""
 
     target: str = "assets/reference/target"
@@ -52,19 +52,6 @@ class BenchConfig:
     """Use only the first N tuning prompts."""
     test_limit: int | None = 16
     """Use only the first N test prompts."""
-    max_new_tokens: int = 64
-    """Output budget per prompt, the same for every method."""
-    truncate_prompts: Literal["off", "left"] = "off"
-    """A prompt that leaves less than max_new_tokens of the target's positions is refused (off) or cut to
-    its last tokens (left)."""
-    sampling: CommandSampling = field(default_factory=CommandSampling)
-    """temperature (0 = greedy), top_k (0 = off), top_p (1.0 = off); the same for every method."""
-    seed: int = 0
-    """Seed of prompt p is seed + p, in every method and repeat."""
-    stop_at_eos: bool = True
-    """Stop at the tokenizer's EOS token (length differences from plain decoding are reported)."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Precision of target, head and assistant."""
     device: str = "cpu"
     """Device of all models (e.g. cuda)."""
     threads: int | None = None

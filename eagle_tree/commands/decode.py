@@ -28,7 +28,26 @@ class CommandSampling(SamplingConfig):
 
 
 @dataclass
-class DecodeConfig:
+class GenerationOptions:
+    """What every decoding command sets alike: output budget, long prompts, sampling, seeds, EOS, precision."""
+
+    max_new_tokens: int = 64
+    """Output budget per prompt (the same for every method)."""
+    truncate_prompts: Literal["off", "left"] = "off"
+    """A prompt that leaves less than max_new_tokens of the target's positions is refused (off) or cut to
+    its last tokens (left)."""
+    sampling: CommandSampling = field(default_factory=CommandSampling)
+    """temperature (0 = greedy), top_k (0 = off), top_p (1.0 = off); the same for every method."""
+    seed: int = 0
+    """Seed of prompt i is seed + i (in every method and repeat)."""
+    stop_at_eos: bool = True
+    """Stop a continuation at the tokenizer's EOS token (length differences from plain decoding are reported)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Precision of every model (target, head, assistant)."""
+
+
+@dataclass
+class DecodeConfig(GenerationOptions):
     """Decode prompts with speculative decoding and report acceptance."""
 
     target: str = "assets/reference/target"
@@ -50,19 +69,6 @@ class DecodeConfig:
     """A single prompt text; overrides `prompts` when set."""
     limit: int | None = None
     """Decode only the first N prompts (null: all)."""
-    max_new_tokens: int = 64
-    """Output budget per prompt."""
-    truncate_prompts: Literal["off", "left"] = "off"
-    """A prompt that leaves less than max_new_tokens of the target's positions is refused (off) or cut to
-    its last tokens (left)."""
-    sampling: CommandSampling = field(default_factory=CommandSampling)
-    """temperature (0 = greedy), top_k (0 = off), top_p (1.0 = off)."""
-    seed: int = 0
-    """Seed of prompt i is seed + i."""
-    stop_at_eos: bool = True
-    """Stop a continuation at the tokenizer's EOS token."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Precision of target and head."""
     output: str | None = None
     """Write per-prompt continuations and the summary to this JSON file (and the config beside it, as
     NAME.config.yaml); checked before decoding: a folder or an unwritable place is refused, and an
