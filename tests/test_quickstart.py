@@ -6,6 +6,9 @@ from pathlib import Path
 import pytest
 
 from eagle_tree.commands.quickstart import main
+from eagle_tree.decoding.context import ContextConfig
+from eagle_tree.decoding.drafting import TreeConfig
+from eagle_tree.decoding.shapes import save_decoding_defaults
 from eagle_tree.models.head import Eagle3DraftModel
 from eagle_tree.models.target import TargetModel
 from eagle_tree.reference.toy import build_toy
@@ -25,6 +28,10 @@ def test_quickstart_writes_summary_plot_head_and_wandb(tmp_path, monkeypatch, ca
     reference = tmp_path / "reference-head"
     target = TargetModel.from_pretrained(str(toy.target), feature_layers=[1, 2, 3])
     Eagle3DraftModel.from_target(target, draft_vocab=range(40), init="target").save_pretrained(reference)
+    # its default decoder (decoding.json): greedy chain-2 with context branches, sampled chain-1 at T > 0
+    chain_ctx = TreeConfig(depth=2, top_k=1, total_tokens=2, context=ContextConfig(lookup_tokens=4))
+    save_decoding_defaults(reference, chain_ctx, greedy=True)
+    save_decoding_defaults(reference, TreeConfig.chain(1, sampled=True), greedy=False)
     code = main([f"output_dir={out}", f"target={toy.target}", "data=toy", f"prompts={toy.prompts_file}",
                  f"reference_head={reference}",
                  "train_steps=60", "num_prompts=3", "max_new_tokens=16", "threads=1",
@@ -38,7 +45,8 @@ def test_quickstart_writes_summary_plot_head_and_wandb(tmp_path, monkeypatch, ca
     rows = json.loads((out / "summary.json").read_text())
     assert sorted((r["method"], r["head"] or "", r["temperature"]) for r in rows) == sorted(
         [("plain", "", t) for t in (0.0, 1.0)]
-        + [(m, h, t) for m in ("chain", "tree") for h in ("fresh", "shipped") for t in (0.0, 1.0)])
+        + [(m, h, t) for m in ("chain", "tree") for h in ("fresh", "shipped") for t in (0.0, 1.0)]
+        + [("default", "shipped", t) for t in (0.0, 1.0)])
     for r in rows:
         assert r["acceptance_length"] >= 1.0 and r["time_per_output_token_s"] > 0
         if r["temperature"] == 0.0:
@@ -47,6 +55,8 @@ def test_quickstart_writes_summary_plot_head_and_wandb(tmp_path, monkeypatch, ca
     assert shapes[("tree", 0.0)] == "tree-d4k3n9" and shapes[("chain", 0.0)] == "chain-4"
     # at temperature 1 the drafts are sampled from the head (sampled_drafts, on by default)
     assert shapes[("tree", 1.0)] == "tree-d3k2n10-sampled" and shapes[("chain", 1.0)] == "chain-4-sampled"
+    # the shipped head's own decoder follows its decoding.json, per temperature
+    assert shapes[("default", 0.0)] == "chain-2+ctx4" and shapes[("default", 1.0)] == "chain-1-sampled"
     greedy_tree = next(r for r in rows if r["method"] == "tree" and r["temperature"] == 0.0 and r["head"] == "fresh")
     assert greedy_tree["acceptance_length"] > 1.3  # the toy target is predictable: a trained head is accepted
     assert (out / "survival.png").stat().st_size > 1000

@@ -4,7 +4,9 @@
    target features, W&B offline when no API key is set);
 2. decode the held-out test prompts with plain decoding, chain and tree drafting at temperature 0
    and 1 (same prompts, budget and seeds for every method, interleaved per prompt), with the fresh
-   head and, beside it, the shipped reference head (``assets/reference/head``, trained far longer);
+   head and, beside it, the shipped reference head (``assets/reference/head``, trained far longer),
+   which also decodes with its own default decoder (method ``default``: the shapes, context
+   branches included, of its ``decoding.json``);
 3. print a table (which head, acceptance length, time per output token, speed-up over plain
    decoding), save the survival curves as a PNG and everything as JSON, and log it all to W&B.
 
@@ -180,6 +182,10 @@ def compare(cfg: QuickstartConfig, head_dir: Path):
         decoders = {("plain", None): SpeculativeDecoder(target)}
         decoders |= {(m, name): SpeculativeDecoder(tgt, head, tree=shape)
                      for name, (head, tgt) in heads.items() for m, shape in shapes.items()}
+        if "shipped" in heads:  # the shipped head's own default decoder: the shapes of its decoding.json
+            default = SpeculativeDecoder(heads["shipped"][1], heads["shipped"][0])
+            if default.defaults:
+                decoders[("default", "shipped")] = default
         outs: dict[tuple, list] = {key: [] for key in decoders}
         n = len(decoders)
         for i, ids in enumerate(prompt_ids):
@@ -188,10 +194,10 @@ def compare(cfg: QuickstartConfig, head_dir: Path):
                 outs[key].append(decoders[key].generate(ids, cfg.max_new_tokens, sampling, seed=cfg.seed + i))
         plain_tpot = None
         for (method, head_name), method_outs in outs.items():
-            depth = 0 if method == "plain" else shapes[method].depth
-            s = summarize(method, temperature, method_outs, depth=depth).to_dict()
+            shape = decoders[(method, head_name)].tree if method == "default" else shapes.get(method)
+            s = summarize(method, temperature, method_outs, depth=0 if shape is None else shape.depth).to_dict()
             s["head"] = head_name
-            s["shape"] = "no draft" if method == "plain" else shape_name(shapes[method])
+            s["shape"] = "no draft" if shape is None else shape_name(shape)
             plain_tpot = s["time_per_output_token_s"] if method == "plain" else plain_tpot
             s["speedup"] = plain_tpot / s["time_per_output_token_s"]
             if temperature == 0.0:
@@ -293,7 +299,9 @@ def run(cfg: QuickstartConfig) -> int:
     print("[3/3] results\n")
     print(table(rows))
     print(f"\nhead: fresh = trained by this run ({cfg.train_steps} steps, {out / 'head'})"
-          + (f"; shipped = {cfg.reference_head} (trained far longer)" if cfg.reference_head else ""))
+          + (f"; shipped = {cfg.reference_head} (trained far longer); method default = the shipped head's own "
+             "decoder (its decoding.json: shapes tuned on the tuning prompts, context branches included)"
+             if cfg.reference_head else ""))
     survival_plot(rows, out / "survival.png")
     summary = {"methods": rows, "samples": texts, "config": config_to_dict(cfg)}
     (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
