@@ -73,3 +73,28 @@ def test_plain_mode_needs_no_head_but_tree_does(model_dirs, capsys):
     assert main([f"target={model_dirs / 'target'}", "head=null", "mode=tree", "prompt=x", "wandb.mode=disabled"]) == 2
     assert "needs a draft head" in capsys.readouterr().err
     assert torch.is_grad_enabled()
+
+
+def test_default_mode_decodes_with_the_head_folders_decoding_json(model_dirs, tmp_path, capsys):
+    """mode=default: the shapes of the head's decoding.json (here a chain with context branches); greedy
+    output still equals plain; a head folder without the file is refused with the fix."""
+    import shutil
+
+    from eagle_tree.decoding.context import ContextConfig
+    from eagle_tree.decoding.shapes import save_decoding_defaults
+
+    head = tmp_path / "head"
+    shutil.copytree(model_dirs / "head", head)
+    common = [f"target={model_dirs / 'target'}", f"prompts={model_dirs / 'prompts.jsonl'}", "max_new_tokens=10",
+              "wandb.mode=disabled"]
+    assert main([*common, f"head={head}", "mode=default"]) == 2
+    assert "holds no decoding.json" in capsys.readouterr().err
+    tree = et.TreeConfig(depth=2, top_k=1, total_tokens=2, context=ContextConfig(lookup_tokens=4))
+    save_decoding_defaults(head, tree, greedy=True)
+    outs = {}
+    for mode in ("default", "plain"):
+        assert main([*common, f"head={head}", f"mode={mode}", f"output={tmp_path / mode}.json"]) == 0
+        outs[mode] = json.loads((tmp_path / f"{mode}.json").read_text())
+    texts = {mode: [p["continuation"] for p in out["prompts"]] for mode, out in outs.items()}
+    assert texts["default"] == texts["plain"]
+    assert outs["default"]["summary"]["method"] == "default" and outs["default"]["summary"]["acceptance_length"] > 1.0

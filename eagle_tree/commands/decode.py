@@ -54,9 +54,11 @@ class DecodeConfig(GenerationOptions):
     """Target model: a local folder or a hub id (AutoModelForCausalLM + AutoTokenizer)."""
     head: str | None = "assets/reference/head"
     """EAGLE-3 draft head folder; null for plain decoding."""
-    mode: Literal["tree", "chain", "plain", "auto"] = "tree"
+    mode: Literal["tree", "chain", "plain", "auto", "default"] = "tree"
     """tree: dynamic tree (the `tree` section); chain: `chain_length` tokens; plain: no draft; auto: the
-    shape `eagle-tree bench` selected (lowest time per output token on its tuning prompts), read from `shapes`."""
+    shape `eagle-tree bench` selected (lowest time per output token on its tuning prompts), read from `shapes`;
+    default: the head's own default decoder, the shapes of its folder's decoding.json (one for greedy
+    decoding, one for sampling, context branches included)."""
     tree: TreeConfig = field(default_factory=TreeConfig)
     """Dynamic-tree shape: depth, top_k, total_tokens, sampled (Gumbel-top-k children)."""
     chain_length: int = 5
@@ -150,6 +152,12 @@ def load_models(cfg: DecodeConfig):
         from eagle_tree.decoding.shapes import load_tuned_shape
 
         tree = load_tuned_shape(cfg.shapes)
+    if cfg.mode == "default":
+        decoder = SpeculativeDecoder(target, head)  # no tree=: the shapes of the head folder's decoding.json
+        if not decoder.defaults:
+            raise InputError(f"mode=default: {cfg.head} holds no decoding.json; tune one with `eagle-tree bench "
+                             "head_defaults=true ...` (docs/BENCHMARKS.md), or use mode=tree / chain / auto")
+        return decoder, tokenizer
     return SpeculativeDecoder(target, head, tree=tree), tokenizer
 
 
@@ -180,7 +188,6 @@ def run(cfg: DecodeConfig) -> int:
     decoder, tokenizer = load_models(cfg)
     prompt_ids = encode(prompts, decoder.target, tokenizer, cfg.max_new_tokens, cfg.truncate_prompts)
     eos = tokenizer.eos_token_id if cfg.stop_at_eos else None
-    depth = 0 if cfg.mode == "plain" else decoder.tree.depth
     outputs, records = [], []
     with RunLogger(cfg.wandb, run_config=config_to_dict(cfg), job_type="decode") as logger:
         step = 0
@@ -195,6 +202,7 @@ def run(cfg: DecodeConfig) -> int:
             for length in out.acceptance_lengths:
                 logger.log({"decode/acceptance_length": length}, step=step)
                 step += 1
+        depth = 0 if cfg.mode == "plain" else decoder.tree.depth  # after generate: mode=default picks per sampling
         summary = summarize(cfg.mode, cfg.sampling.temperature, outputs, depth=depth)
         lengths = [n for o in outputs for n in o.acceptance_lengths]
         if lengths:
