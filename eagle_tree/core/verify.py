@@ -43,6 +43,14 @@ class VerifyRule(str, Enum):
         except ValueError:
             raise ValueError(f"unknown verification rule {value!r}; expected one of {[r.value for r in cls]}") from None
 
+    @classmethod
+    def for_draft(cls, greedy: bool, sampled: bool = False) -> VerifyRule:
+        """The rule that is exact for children drawn (``sampled``, Gumbel-top-k) or taken as point masses
+        (top-k, context copies, the empty tree of plain decoding), under greedy or sampled decoding."""
+        if greedy:
+            return cls.GREEDY
+        return cls.WITHOUT_REPLACEMENT if sampled else cls.DETERMINISTIC
+
     @property
     def needs_draft_probs(self) -> bool:
         return self in (VerifyRule.WITH_REPLACEMENT, VerifyRule.WITHOUT_REPLACEMENT)

@@ -217,8 +217,7 @@ class ContextDrafter:
         if self.inner is not None:
             head = self.inner.propose(sampling, generator)
         else:
-            rule = VerifyRule.GREEDY if sampling.greedy else VerifyRule.DETERMINISTIC
-            head = Proposal(Tree([], []), None, rule)
+            head = Proposal(Tree([], []), None, VerifyRule.for_draft(sampling.greedy))
         t0 = time.perf_counter()
         cfg = self.config
         branches = self.index.continuations(cfg.lookup_tokens, cfg.branches)

@@ -22,7 +22,7 @@ import torch
 
 from eagle_tree.core.sampling import SamplingConfig, processed_probs
 from eagle_tree.core.tree import Tree
-from eagle_tree.core.verify import Proposal, sample_token, verify_tree
+from eagle_tree.core.verify import Proposal, VerifyRule, sample_token, verify_tree
 from eagle_tree.decoding.context import ContextDrafter
 from eagle_tree.decoding.drafting import Drafter, DrafterProtocol, TreeConfig
 from eagle_tree.decoding.shapes import load_decoding_defaults
@@ -229,7 +229,7 @@ class SpeculativeDecoder:
     def _draft(self, pending, sampling: SamplingConfig, generator: torch.Generator) -> Proposal:
         """The round's proposal: the drafter's tree, or the empty tree of plain decoding."""
         if self.drafter is None:
-            return Proposal(Tree([], []), None, TreeConfig.chain(1).rule(sampling))
+            return Proposal(Tree([], []), None, VerifyRule.for_draft(sampling.greedy))
         self.drafter.catch_up(*pending)
         return self.drafter.propose(sampling, generator)
 

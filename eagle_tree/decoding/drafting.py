@@ -72,9 +72,7 @@ class TreeConfig:
 
     def rule(self, sampling: SamplingConfig) -> VerifyRule:
         """The verification rule that is exact for drafts of this shape under ``sampling``."""
-        if sampling.greedy:
-            return VerifyRule.GREEDY
-        return VerifyRule.WITHOUT_REPLACEMENT if self.sampled else VerifyRule.DETERMINISTIC
+        return VerifyRule.for_draft(sampling.greedy, self.sampled)
 
 
 class DraftCache:
