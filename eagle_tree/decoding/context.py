@@ -200,27 +200,66 @@ class ContextDrafter:
         self.config = config
         self.reset()
 
-    def reset(self) -> None:
+    def reset(self, rows: int = 1) -> None:
         if self.inner is not None:
-            self.inner.reset()
-        self.index = ContextIndex(self.config.max_ngram, self.config.min_ngram)
+            self.inner.reset() if rows == 1 else self.inner.reset(rows)  # one-row drafters may take no rows
+        self.indexes = [ContextIndex(self.config.max_ngram, self.config.min_ngram) for _ in range(rows)]
         self.context_s = 0.0
 
-    def catch_up(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
+    @property
+    def index(self) -> ContextIndex:
+        """The committed text's index (one row)."""
+        if len(self.indexes) != 1:
+            raise RuntimeError(f"index is for a drafter of one row; this one has {len(self.indexes)}: use indexes")
+        return self.indexes[0]
+
+    @index.setter
+    def index(self, value) -> None:
+        self.indexes = [value]
+
+    @property
+    def rows(self) -> int:
+        return len(self.indexes)
+
+    def catch_up(self, features: torch.Tensor, next_tokens: torch.Tensor, counts: list[int] | None = None) -> None:
+        """As the head drafter's (``counts[b]``: row b's pairs, the rest padding); each row's index takes
+        its row's tokens."""
         if self.inner is not None:
-            self.inner.catch_up(features, next_tokens)
+            args = () if counts is None else (counts,)  # one-row drafters may take no counts
+            self.inner.catch_up(features, next_tokens, *args)
         t0 = time.perf_counter()
-        self.index.extend(next_tokens.reshape(-1).tolist())
+        for b, tokens in enumerate(next_tokens.tolist()):
+            self.indexes[b].extend(tokens if counts is None else tokens[: counts[b]])
         self.context_s += time.perf_counter() - t0
 
     def propose(self, sampling: SamplingConfig, generator: torch.Generator | None = None):
-        if self.inner is not None:
-            head = self.inner.propose(sampling, generator)
+        return self.propose_rows(sampling, [generator])[0]
+
+    def propose_rows(self, sampling: SamplingConfig, generators: list[torch.Generator | None]) -> list[Proposal]:
+        """One proposal per row: the head's tree of the row (or the empty tree) with the row's own
+        context branches merged in."""
+        if self.inner is not None and not hasattr(self.inner, "propose_rows"):  # a one-row drafter
+            heads = [self.inner.propose(sampling, *generators)]
+        elif self.inner is not None:
+            heads = self.inner.propose_rows(sampling, generators)
         else:
-            head = Proposal(Tree([], []), None, VerifyRule.for_draft(sampling.greedy))
+            heads = [Proposal(Tree([], []), None, VerifyRule.for_draft(sampling.greedy)) for _ in self.indexes]
         t0 = time.perf_counter()
         cfg = self.config
-        branches = self.index.continuations(cfg.lookup_tokens, cfg.branches)
-        tree, probs = merge_context(head.tree, head.draft_probs, head.rule, branches, cfg.first)
+        proposals = []
+        for head, index in zip(heads, self.indexes, strict=True):
+            branches = index.continuations(cfg.lookup_tokens, cfg.branches)
+            tree, probs = merge_context(head.tree, head.draft_probs, head.rule, branches, cfg.first)
+            proposals.append(Proposal(tree, probs, head.rule))
         self.context_s += time.perf_counter() - t0
-        return Proposal(tree, probs, head.rule)
+        return proposals
+
+    def select_rows(self, rows: list[int]) -> None:
+        if self.inner is not None:
+            self.inner.select_rows(rows)
+        self.indexes = [self.indexes[r] for r in rows]
+
+    def add_rows(self, other: ContextDrafter) -> None:
+        if self.inner is not None:
+            self.inner.add_rows(other.inner)
+        self.indexes = self.indexes + other.indexes

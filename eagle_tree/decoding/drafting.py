@@ -32,6 +32,7 @@ from eagle_tree.core.sampling import SamplingConfig, processed_probs
 from eagle_tree.core.tree import Tree
 from eagle_tree.core.verify import Proposal, VerifyRule
 from eagle_tree.decoding.context import ContextConfig
+from eagle_tree.models.cache import write_rows
 from eagle_tree.models.head import Eagle3DraftModel
 
 
@@ -76,42 +77,75 @@ class TreeConfig:
 
 
 class DraftCache:
-    """Keys and values (1, n_kv, S, hd) of the draft's single layer in a growing buffer.
+    """Keys and values (B, n_kv, S, hd) of the draft's single layer for B rows (requests; 1 outside
+    batched decoding) in a growing buffer; row b's entries fill slots ``0 .. lengths[b] - 1``.
 
-    ``append`` writes at the end, ``crop`` forgets the tail: tree nodes are appended while drafting
-    and cropped afterwards, so the cache keeps only entries of committed pairs between rounds.
-    ``attend`` is what the head's ``step`` calls: append the new entries, attend over all of them.
+    ``append`` writes T entries per row after each row's own entries (``write_rows``), ``crop`` forgets
+    tails: tree nodes are appended while drafting and cropped afterwards, so the cache keeps only entries
+    of committed pairs between rounds. ``attend`` is what the head's ``step`` calls: append the new
+    entries, attend over the buffer up to the longest row (the caller's mask hides other slots).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, rows: int = 1) -> None:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
-        self.length = 0
+        self.lengths = [0] * rows
+
+    @property
+    def length(self) -> int:
+        """The longest row's length (the only row's, outside batched decoding)."""
+        return max(self.lengths, default=0)
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        n = k.shape[2]
-        if self.k is None or self.length + n > self.k.shape[2]:
-            capacity = max(256, 2 * (self.length + n))
+        n, end = k.shape[2], self.length + k.shape[2]
+        if self.k is None or end > self.k.shape[2]:
+            capacity = max(256, 2 * end)
             new_k = k.new_empty(k.shape[0], k.shape[1], capacity, k.shape[3])
             new_v = v.new_empty(new_k.shape)
             if self.k is not None:
                 new_k[:, :, : self.length] = self.k[:, :, : self.length]
                 new_v[:, :, : self.length] = self.v[:, :, : self.length]
             self.k, self.v = new_k, new_v
-        self.k[:, :, self.length : self.length + n] = k
-        self.v[:, :, self.length : self.length + n] = v
-        self.length += n
+        write_rows(self.k, self.lengths, k)
+        write_rows(self.v, self.lengths, v)
+        self.lengths = [length + n for length in self.lengths]
 
-    def crop(self, length: int) -> None:
-        self.length = min(self.length, length)
+    def crop(self, lengths: int | list[int]) -> None:
+        """Keep at most ``lengths[b]`` entries of row b (an int: of every row)."""
+        if isinstance(lengths, int):
+            lengths = [lengths] * self.rows
+        self.lengths = [min(a, int(b)) for a, b in zip(self.lengths, lengths, strict=True)]
 
     def view(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[:, :, : self.length], self.v[:, :, : self.length]
 
     def attend(self, attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Append k/v (1, n_kv, T, hd), then ``attn.attend`` over the cache; mask (1, 1, T, S_after) bool."""
+        """Append k/v (B, n_kv, T, hd), then ``attn.attend`` over the cache; mask (B, 1, T, S_after) bool."""
         self.append(k, v)
         return attn.attend(q, *self.view(), mask)
+
+    def select_rows(self, rows: list[int]) -> None:
+        """Keep only these rows, in this order (a copy of the buffers)."""
+        self.lengths = [self.lengths[r] for r in rows]
+        if self.k is not None:
+            index = torch.tensor(rows, dtype=torch.long, device=self.k.device)
+            self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+
+    def add_rows(self, other: DraftCache) -> None:
+        """Append the rows of ``other`` after these (a copy of the buffers)."""
+        if self.k is None or not self.rows:
+            self.k, self.v, self.lengths = other.k, other.v, list(other.lengths)
+            return
+        if other.k is not None:
+            capacity = max(self.k.shape[2], other.k.shape[2])
+            parts = [(t if t.shape[2] == capacity else torch.nn.functional.pad(t, (0, 0, 0, capacity - t.shape[2])))
+                     for t in (self.k, other.k, self.v, other.v)]
+            self.k, self.v = torch.cat(parts[:2]), torch.cat(parts[2:])
+        self.lengths = self.lengths + list(other.lengths)
 
 
 @runtime_checkable
@@ -158,27 +192,31 @@ class _Plan:
 
 
 class _Buffers:
-    """Per-drafter tensors of one tree's growth, indexed by row (``Tree.row``: the root is row 0, the
-    node created i-th is row i + 1); every entry a round reads is written in that round first."""
+    """Per-drafter tensors of one round's growth for B rows, indexed by (row of the batch, row of the tree:
+    ``Tree.row``, the root is 0 and the node created i-th is i + 1); every entry a round reads is
+    written in that round first."""
 
-    def __init__(self, n: int, hidden_size: int, draft_vocab: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, batch: int, n: int, hidden_size: int, draft_vocab: int, dtype: torch.dtype,
+                 device: torch.device):
         rows = n + 1
-        self.score = torch.zeros(rows, device=device)  # cumulative draft log-probability (root: 0)
-        self.parent = torch.zeros(rows, dtype=torch.long, device=device)  # the parent's row (0 = the root)
-        self.token = torch.zeros(rows, dtype=torch.long, device=device)  # target id
-        self.live = torch.ones(rows, dtype=torch.bool, device=device)  # False: a draw past q's support
+        self.batch = batch
+        self.score = torch.zeros(batch, rows, device=device)  # cumulative draft log-probability (root: 0)
+        self.parent = torch.zeros(batch, rows, dtype=torch.long, device=device)  # the parent's row (0 = root)
+        self.token = torch.zeros(batch, rows, dtype=torch.long, device=device)  # target id
+        self.live = torch.ones(batch, rows, dtype=torch.bool, device=device)  # False: a draw past q's support
         self.identity = torch.eye(rows, dtype=torch.bool, device=device)
-        self.ancestors = self.identity.clone()  # [r, c]: row c is row r or one of its ancestors
-        self.out = torch.empty(rows, hidden_size, dtype=dtype, device=device)  # the head's output (root: last_hidden)
-        self.expanded = torch.zeros(rows, dtype=torch.bool, device=device)
-        self.q = torch.empty(rows, draft_vocab, device=device)  # the law of the row's children
+        self.ancestors = self.identity.repeat(batch, 1, 1)  # [b, r, c]: row c is row r or one of its ancestors
+        self.out = torch.empty(batch, rows, hidden_size, dtype=dtype, device=device)  # the head's output per node
+        self.expanded = torch.zeros(batch, rows, dtype=torch.bool, device=device)
+        self.q = torch.empty(batch, rows, draft_vocab, device=device)  # the law of the row's children
         self.rows = torch.arange(rows, device=device)
-        self.remap = torch.zeros(rows, dtype=torch.long, device=device)  # row -> row in the kept tree
+        self.batch_index = torch.arange(batch, device=device)[:, None]  # (B, 1), for advanced indexing
 
 
 class Drafter:
     """Runs an Eagle3DraftModel over committed pairs and grows draft trees from the last one
-    (implements DrafterProtocol)."""
+    (implements DrafterProtocol), for one sequence or, in batched decoding, for B rows at once: every
+    head forward feeds all rows, each row with its own committed length, positions and tree."""
 
     def __init__(self, draft: Eagle3DraftModel, tree: TreeConfig):
         self.draft = draft
@@ -187,31 +225,55 @@ class Drafter:
         self._plans: dict[bool, _Plan] = {}
         self.reset()
 
-    def reset(self) -> None:
-        self.cache = DraftCache()
-        self.last_hidden: torch.Tensor | None = None  # (1, 1, H): output at the last committed pair
-        self.last_logits: torch.Tensor | None = None  # (Vd,)
+    def reset(self, rows: int = 1) -> None:
+        self.cache = DraftCache(rows)
+        self.last_hidden: torch.Tensor | None = None  # (B, 1, H): output at each row's last committed pair
+        self.row_logits: torch.Tensor | None = None  # (B, Vd)
+
+    @property
+    def rows(self) -> int:
+        return self.cache.rows
+
+    @property
+    def last_logits(self) -> torch.Tensor | None:
+        """(Vd,): the draft logits after the last committed pair (one row only)."""
+        if self.row_logits is None:
+            return None
+        if self.rows != 1:
+            raise RuntimeError(f"last_logits is for a drafter of one row; this one has {self.rows}: use row_logits")
+        return self.row_logits[0]
 
     def _forward(self, hidden, input_ids, position_ids, visible):
-        """One head step over the draft cache. visible (1, 1, T, S_after) bool. Returns (out, logits)."""
+        """One head step over the draft cache. visible (B, 1, T, S_after) bool. Returns (out, logits)."""
         out, logits, _ = self.draft.step(hidden, input_ids, position_ids, self.cache, visible)
         return out, logits
 
     @torch.no_grad()
-    def catch_up(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
-        """Consume committed pairs: features (1, m, 3H) of tokens at positions c..c+m-1 and the
-        tokens that follow them (1, m), in target ids."""
-        m, start = features.shape[1], self.cache.length
+    def catch_up(self, features: torch.Tensor, next_tokens: torch.Tensor, counts: list[int] | None = None) -> None:
+        """Consume committed pairs: features (B, m, 3H) of tokens at positions c_b .. c_b + m - 1 and the
+        tokens that follow them (B, m), in target ids; ``counts[b]`` (default m): how many of the m pairs
+        are row b's (the rest is padding, written past the row's length and never seen)."""
+        m, starts = features.shape[1], list(self.cache.lengths)
+        counts = [m] * len(starts) if counts is None else [int(c) for c in counts]
+        if features.shape[0] != self.rows or len(counts) != self.rows or min(counts) < 1 or max(counts) > m:
+            raise ValueError(f"catch_up takes features of {self.rows} rows and 1 <= counts <= {m}, got "
+                             f"{features.shape[0]} rows and counts {counts}")
+        device = features.device
         hidden = self.draft.fuse(features.to(self.draft.fc.weight.dtype))
-        positions = torch.arange(start, start + m, device=features.device)[None]
-        visible = torch.ones(m, start + m, dtype=torch.bool, device=features.device).tril(start)
-        out, logits = self._forward(hidden, next_tokens, positions, visible[None, None])
-        self.last_hidden, self.last_logits = out[:, -1:], logits[0, -1].float()
+        start = torch.tensor(starts, device=device)[:, None]
+        positions = start + torch.arange(m, device=device)  # (B, m)
+        slots = torch.arange(max(starts) + m, device=device)
+        visible = slots[None, None, :] <= positions[:, :, None]  # row b's own slots up to its query
+        out, logits = self._forward(hidden, next_tokens, positions, visible[:, None])
+        self.cache.crop([a + c for a, c in zip(starts, counts, strict=True)])
+        last = torch.tensor(counts, device=device) - 1
+        rows = torch.arange(self.rows, device=device)
+        self.last_hidden, self.row_logits = out[rows, last][:, None], logits[rows, last].float()
 
     @torch.no_grad()
     def follow(self, tokens: list[int]) -> list[torch.Tensor]:
         """Draft logits (Vd,) at depths 1..len(tokens)+1 along a given chain of target ids below the
-        root; the cache is left as it was. Training's step s equals depth s + 1 here."""
+        root (one row); the cache is left as it was. Training's step s equals depth s + 1 here."""
         committed, hidden = self.cache.length, self.last_hidden
         logits = [self.last_logits]
         try:
@@ -225,128 +287,193 @@ class Drafter:
             self.cache.crop(committed)
         return logits
 
+    def select_rows(self, rows: list[int]) -> None:
+        """Keep only these rows, in this order (requests leaving a batch)."""
+        self.cache.select_rows(rows)
+        index = torch.tensor(rows, dtype=torch.long, device=self.last_hidden.device)
+        self.last_hidden, self.row_logits = self.last_hidden[index], self.row_logits[index]
+
+    def add_rows(self, other: Drafter) -> None:
+        """Append the rows of ``other`` (caught up on their prompts) after these (requests joining)."""
+        if not self.rows or self.last_hidden is None:
+            self.cache, self.last_hidden, self.row_logits = other.cache, other.last_hidden, other.row_logits
+            return
+        self.cache.add_rows(other.cache)
+        self.last_hidden = torch.cat([self.last_hidden, other.last_hidden])
+        self.row_logits = torch.cat([self.row_logits, other.row_logits])
+
     def _buffers_for(self, plan: _Plan) -> _Buffers:
         b, hidden = self._buffers, self.last_hidden
-        if b is None or b.score.shape[0] <= plan.nodes or b.out.device != hidden.device:
+        if b is None or b.score.shape[1] <= plan.nodes or b.batch != self.rows or b.out.device != hidden.device:
             vocab = self.draft.config.draft_vocab_size
-            b = self._buffers = _Buffers(plan.nodes, hidden.shape[-1], vocab, hidden.dtype, hidden.device)
+            b = self._buffers = _Buffers(self.rows, plan.nodes, hidden.shape[-1], vocab, hidden.dtype, hidden.device)
         return b
 
     @torch.no_grad()
     def propose(self, sampling: SamplingConfig, generator: torch.Generator | None = None) -> Proposal:
-        """Grow a tree below the root (the last committed token) and return it in target ids."""
+        """Grow a tree below the root (the last committed token) and return it in target ids (one row)."""
+        if self.rows != 1:
+            raise RuntimeError(f"propose is for a drafter of one row; this one has {self.rows}: use propose_rows")
+        return self.propose_rows(sampling, [generator])[0]
+
+    @torch.no_grad()
+    def propose_rows(self, sampling: SamplingConfig, generators: list[torch.Generator | None]) -> list[Proposal]:
+        """Grow one tree per row, every level of all rows in one head forward; row b draws any
+        randomness from ``generators[b]`` only, exactly the draws a one-row drafter would make."""
         if self.last_hidden is None:
             raise RuntimeError("catch_up must run before propose")
+        if len(generators) != self.rows:
+            raise ValueError(f"propose_rows needs one generator per row ({self.rows}), got {len(generators)}")
         cfg = self.config
         sampled = cfg.sampled and not sampling.greedy
         plan = self._plans.get(sampled)
         if plan is None:
             plan = self._plans[sampled] = _Plan.of(cfg, self.draft.config.draft_vocab_size, sampled)
         b = self._buffers_for(plan)
-        committed = self.cache.length
+        committed = list(self.cache.lengths)
         try:
-            growth = _Growth(self, b, plan, sampling if sampled else None, generator)
+            growth = _Growth(self, b, plan, sampling if sampled else None, generators)
             keep, whole = growth.run()
         finally:
             self.cache.crop(committed)
-        return self._proposal(b, keep, whole, sampled, sampling)
+        return self._proposals(b, plan, keep, whole, sampled, sampling)
 
-    def _proposal(self, b: _Buffers, keep: torch.Tensor, whole: bool, sampled: bool,
-                  sampling: SamplingConfig) -> Proposal:
-        """The kept rows (ascending; ``whole``: every row grown) as a Tree: one host transfer."""
-        n = keep.shape[0]
-        if whole:  # the rows are the tree's own
-            parents, tokens = torch.stack([b.parent[1 : n + 1] - 1, b.token[1 : n + 1]]).tolist()
-        else:
-            b.remap[keep] = b.rows[1 : n + 1]
-            parents, tokens = torch.stack([b.remap[b.parent[keep]] - 1, b.token[keep]]).tolist()
-        draft_probs = None
-        if sampled:
-            rows = torch.cat([b.rows[:1], keep])  # the root's row and the kept rows
-            q = torch.where(b.expanded[rows, None], b.q[rows], 0.0)  # nodes without children carry no law
-            draft_probs = q.new_zeros(n + 1, self.draft.config.vocab_size)
-            draft_probs[:, self.draft.draft_to_target] = q
-        return Proposal(Tree(parents, tokens), draft_probs, self.config.rule(sampling))
+    def _proposals(self, b: _Buffers, plan: _Plan, keep: torch.Tensor | None, whole: bool, sampled: bool,
+                   sampling: SamplingConfig) -> list[Proposal]:
+        """Every row's kept nodes as a Tree: ``keep`` (B, n) ascending tree rows, or None for sampled trees
+        (each keeps its live draws; a dead draw has only dead descendants); ``whole``: every node grown.
+        One host transfer for the whole batch."""
+        nodes = plan.nodes
+        parts = [b.parent[:, 1 : nodes + 1], b.token[:, 1 : nodes + 1], b.live[:, 1 : nodes + 1].long()]
+        if not whole and keep is not None:
+            parts.append(keep)
+        host = torch.cat(parts, dim=1).tolist()
+        rule = self.config.rule(sampling)
+        proposals = []
+        for row, values in enumerate(host):
+            parent, token, live = values[:nodes], values[nodes : 2 * nodes], values[2 * nodes : 3 * nodes]
+            if keep is None:
+                kept = [i + 1 for i in range(nodes) if live[i]]
+            else:
+                kept = list(range(1, nodes + 1)) if whole else values[3 * nodes :]
+            index = {r: j for j, r in enumerate(kept)}
+            tree = Tree([index[parent[r - 1]] if parent[r - 1] else -1 for r in kept], [token[r - 1] for r in kept])
+            draft_probs = None
+            if sampled:
+                rows = torch.tensor([0, *kept], device=b.q.device)  # the root's row and the kept rows
+                q = torch.where(b.expanded[row, rows, None], b.q[row, rows], 0.0)  # leaves carry no law
+                draft_probs = q.new_zeros(len(kept) + 1, self.draft.config.vocab_size)
+                draft_probs[:, self.draft.draft_to_target] = q
+            proposals.append(Proposal(tree, draft_probs, rule))
+        return proposals
 
 
 class _Growth:
-    """One tree expansion over the drafter's buffers, level by level, without host round trips."""
+    """One tree expansion per row over the drafter's buffers, level by level, without host round trips."""
 
     def __init__(self, drafter: Drafter, buffers: _Buffers, plan: _Plan, sampling: SamplingConfig | None,
-                 generator):
+                 generators: list):
         self.d, self.b, self.plan = drafter, buffers, plan
         self.cfg = drafter.config
         self.sampling = sampling  # None: deterministic top-k children
-        self.generator = generator
+        self.generators = generators
 
     def expand(self, rows: torch.Tensor, logits: torch.Tensor, lo: int, hi: int, last: bool) -> None:
-        """Create the children of the nodes at ``rows`` (F,) from their draft logits (F, Vd), as rows
+        """Create the children of the nodes at ``rows`` (B, F) from their draft logits (B, F, Vd), as rows
         lo + 1 .. hi, node by node, each node's children in proposal order. Deterministic: every node's
         top-k. Sampled: Gumbel-top-k, up to k children drawn without replacement from each node's
-        processed q, one draw for the whole level from the drafter's generator. ``last``: the children's
-        ancestors are not needed (no level is fed from them, or the tree is a chain)."""
+        processed q, one draw per batch row for the whole level from that row's generator. ``last``: the
+        children's ancestors are not needed (no level is fed from them, or the tree is a chain)."""
         b, k = self.b, self.plan.k
+        batch, width = rows.shape
         made = slice(lo + 1, hi + 1)
         logp = torch.log_softmax(logits.float(), dim=-1)
         if self.sampling is None:
-            child_logp, ids = torch.topk(logp, k, dim=-1)  # (F, k)
+            child_logp, ids = torch.topk(logp, k, dim=-1)  # (B, F, k)
         else:
-            q = processed_probs(logits, self.sampling, check=False)  # (F, Vd)
-            b.q[rows] = q
-            b.expanded[rows] = True
-            u = torch.rand(q.shape, generator=self.generator).clamp_min(1e-20)
+            q = processed_probs(logits, self.sampling, check=False)  # (B, F, Vd)
+            b.q[b.batch_index, rows] = q
+            b.expanded[b.batch_index, rows] = True
+            u = torch.stack([torch.rand(q.shape[1:], generator=g) for g in self.generators]).clamp_min(1e-20)
             gumbel = -torch.log(-torch.log(u)).to(q.device)
             keys = torch.where(q > 0, q.log() + gumbel, float("-inf"))
             drawn, ids = torch.topk(keys, k, dim=-1)  # decreasing keys = the order drawn
-            child_logp = logp.gather(1, ids)
+            child_logp = logp.gather(2, ids)
             live = drawn > float("-inf")  # past the support of q: no child
-            b.live[made].view(-1, k)[:] = live & b.live[rows][:, None]
-        b.score[made].view(-1, k)[:] = child_logp if lo == 0 else b.score[rows][:, None] + child_logp  # root: 0
-        b.token[made].view(-1, k)[:] = self.d.draft.draft_to_target[ids]
-        b.parent[made].view(-1, k)[:] = rows[:, None]
+            b.live[:, made] = (live & b.live.gather(1, rows)[:, :, None]).reshape(batch, -1)
+        parent_score = 0.0 if lo == 0 else b.score.gather(1, rows)[:, :, None]  # root: 0
+        b.score[:, made] = (parent_score + child_logp).reshape(batch, -1)
+        b.token[:, made] = self.d.draft.draft_to_target[ids].reshape(batch, -1)
+        b.parent[:, made] = rows[:, :, None].expand(-1, -1, k).reshape(batch, -1)
         if not last:
-            width = b.rows.shape[0]
-            b.ancestors[made].view(-1, k, width)[:] = b.ancestors[rows][:, None] | b.identity[made].view(-1, k, width)
+            r = b.rows.shape[0]
+            parents = b.ancestors.gather(1, rows[:, :, None].expand(-1, -1, r))  # (B, F, R)
+            own = b.identity[made].view(1, width, k, r)
+            b.ancestors[:, made] = (parents[:, :, None, :] | own).reshape(batch, width * k, r)
 
-    def run(self) -> tuple[torch.Tensor, bool]:
-        """Grow the planned levels; return the kept rows, ascending (parents first), and whether they
-        are all the rows grown."""
+    def run(self) -> tuple[torch.Tensor | None, bool]:
+        """Grow the planned levels; return the kept rows (B, n), ascending (parents first), and whether
+        they are all the rows grown; None for sampled trees (each keeps its live rows)."""
         d, b, plan = self.d, self.b, self.plan
         levels = len(plan.levels)
         chain = plan.k == 1  # every fed node sees all fed nodes: no ancestor matrix needed
         if self.sampling is not None:
             b.expanded.zero_()
-        self.expand(b.rows[:1], d.last_logits[None], *plan.levels[0][:2], last=chain or levels == 1)
-        committed = d.cache.length
-        base_pos = committed - 1  # position of the last committed pair
+            b.live.fill_(True)
+        batch = b.batch
         device = d.last_hidden.device
-        fed = b.rows[:0]
+        root = b.rows[:1].expand(batch, 1)
+        self.expand(root, d.row_logits[:, None], *plan.levels[0][:2], last=chain or levels == 1)
+        committed = d.cache.lengths
+        level_rows = len(set(committed)) == 1
+        start = torch.tensor(committed, device=device)[:, None]  # (B, 1)
+        base_pos = start - 1  # position of each row's last committed pair
+        fed = b.rows[:0].expand(batch, 0)
         for depth in range(1, levels):
             prev_lo, prev_hi, _ = plan.levels[depth - 1]
             lo, hi, width = plan.levels[depth]
             level = slice(prev_lo + 1, prev_hi + 1)
             if width == prev_hi - prev_lo:  # the whole previous level is fed
-                frontier = b.rows[level]
+                frontier = b.rows[level].expand(batch, -1)
             else:  # its ``width`` best nodes by score (ties: the earlier node), in creation order
-                key = b.score[level]
+                key = b.score[:, level]
                 if self.sampling is not None:  # dead draws (past q's support) are never expanded
-                    key = key.masked_fill(~b.live[level], float("-inf"))
-                frontier = torch.sort(key, descending=True, stable=True).indices[:width].sort().values + level.start
-            fed = torch.cat([fed, frontier])  # the cache entries after the committed pairs, in order
-            visible = torch.ones(1, 1, width, committed + fed.shape[0], dtype=torch.bool, device=device)
-            if not chain:
-                visible[0, 0, :, committed:] = b.ancestors[frontier][:, fed]
-            # (1, F, H): the parents' outputs (at depth 1 the root's)
-            hidden = d.last_hidden.expand(1, width, -1) if depth == 1 else b.out[b.parent[frontier]][None]
-            positions = torch.full((1, width), base_pos + depth, dtype=torch.long, device=device)
-            out, logits = d._forward(hidden, b.token[frontier][None], positions, visible)
+                    key = key.masked_fill(~b.live[:, level], float("-inf"))
+                order = torch.sort(key, descending=True, stable=True).indices[:, :width]
+                frontier = order.sort(dim=1).values + level.start
+            fed = torch.cat([fed, frontier], dim=1)  # the tree's cache entries after each row's committed pairs
+            n_fed = fed.shape[1]
+            total = max(committed) + n_fed
+            if level_rows:
+                visible = torch.ones(batch, width, total, dtype=torch.bool, device=device)
+                if not chain:
+                    anc = b.ancestors.gather(1, frontier[:, :, None].expand(-1, -1, b.rows.shape[0]))
+                    visible[:, :, committed[0]:] = anc.gather(2, fed[:, None, :].expand(-1, width, -1))
+            else:  # rows of different lengths: row b's fed nodes sit at slots committed[b] + j
+                slots = torch.arange(total, device=device)
+                visible = (slots[None, None, :] < start[:, :, None]).expand(batch, width, total).clone()
+                if chain:
+                    rel = torch.ones(batch, width, n_fed, dtype=torch.bool, device=device)
+                else:
+                    anc = b.ancestors.gather(1, frontier[:, :, None].expand(-1, -1, b.rows.shape[0]))
+                    rel = anc.gather(2, fed[:, None, :].expand(-1, width, -1))
+                cols = (start + torch.arange(n_fed, device=device))[:, None, :].expand(-1, width, -1)
+                visible.scatter_(2, cols, rel)
+            # (B, F, H): the parents' outputs (at depth 1 the root's)
+            if depth == 1:
+                hidden = d.last_hidden.expand(batch, width, -1)
+            else:
+                parents = b.parent.gather(1, frontier)
+                hidden = b.out.gather(1, parents[:, :, None].expand(-1, -1, b.out.shape[2]))
+            positions = (base_pos + depth).expand(batch, width)
+            out, logits = d._forward(hidden, b.token.gather(1, frontier), positions, visible[:, None])
             if depth < levels - 1:  # parents of the next level
-                b.out[frontier] = out[0]
-            self.expand(frontier, logits[0], lo, hi, last=chain or depth == levels - 1)
+                b.out.scatter_(1, frontier[:, :, None].expand(-1, -1, out.shape[2]), out)
+            self.expand(frontier, logits, lo, hi, last=chain or depth == levels - 1)
         rows = b.rows[1 : plan.nodes + 1]
         if self.sampling is not None:  # sampled trees keep every child they draw
-            return rows[b.live[rows]], False
+            return None, False
         if plan.nodes <= self.cfg.total_tokens:
-            return rows, True
-        order = torch.sort(b.score[rows], descending=True, stable=True).indices[: self.cfg.total_tokens]
-        return order.sort().values + 1, False  # creation order: parents first, siblings in proposal order
+            return rows.expand(batch, -1), True
+        order = torch.sort(b.score[:, rows], descending=True, stable=True).indices[:, : self.cfg.total_tokens]
+        return order.sort(dim=1).values + 1, False  # creation order: parents first, siblings in proposal order

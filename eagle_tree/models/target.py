@@ -3,7 +3,8 @@ and KV-cache compaction.
 
 Everything goes through the model's public inputs (``input_ids``, ``position_ids``, a 4D float
 ``attention_mask`` and a ``cache`` object) plus forward pre-hooks on the decoder layers; no modeling
-code is forked per architecture. Batch size is 1 throughout.
+code is forked per architecture. One row (request) per forward, except with a ``BatchCache``
+(``prefill_rows`` / ``verify_rows``: rows of different lengths in one forward).
 
 Cache contract (the caller owns the cache; this class never stores one):
 
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from eagle_tree.core.tree import Tree
-from eagle_tree.models.cache import MIN_CAPACITY, TargetCache
+from eagle_tree.models.cache import MIN_CAPACITY, BatchCache, TargetCache
 
 SUPPORTED_ATTENTION = ("eager", "sdpa")
 REQUIRED_FORWARD_INPUTS = ("attention_mask", "position_ids", "cache")
@@ -175,6 +176,11 @@ class TargetModel:
         forward needs more); its buffers are allocated on the first forward."""
         return TargetCache(self.num_layers, capacity)
 
+    def new_batch_cache(self, rows: int, capacity: int = MIN_CAPACITY) -> BatchCache:
+        """An empty cache of ``rows`` rows (requests) of different lengths, for :meth:`prefill_rows` and
+        :meth:`verify_rows`."""
+        return BatchCache(self.num_layers, rows, capacity)
+
     @staticmethod
     def cache_length(cache) -> int:
         return int(cache.get_seq_length())
@@ -247,21 +253,23 @@ class TargetModel:
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> TargetOutput:
-        """One forward over ``input_ids`` (1, T), appending T entries to ``cache``.
+        """One forward over ``input_ids`` (1, T), appending T entries to ``cache`` (B rows: ``input_ids``
+        (B, T) with a :class:`BatchCache`, whose lengths the caller then moves; see :meth:`verify_rows`).
 
         ``position_ids`` (1, T) default to ``past + arange(T)``. ``attention_mask``: None for causal
         attention, or a 4D mask (1, 1, T, past + T), float (0 visible, -inf hidden) or bool (True visible).
         """
-        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-            raise ValueError(f"input_ids must have shape (1, T), got {tuple(input_ids.shape)}")
+        if input_ids.dim() != 2 or (input_ids.shape[0] != 1 and not isinstance(cache, BatchCache)):
+            raise ValueError(f"input_ids must have shape (1, T) (B rows: a BatchCache), got {tuple(input_ids.shape)}")
         past, t = self.cache_length(cache), input_ids.shape[1]
         input_ids = input_ids.to(self.device)
         if position_ids is None:
             position_ids = torch.arange(past, past + t, device=self.device)[None]  # (1, T)
         if attention_mask is not None:
-            if tuple(attention_mask.shape) != (1, 1, t, past + t):
+            if attention_mask.dim() != 4 or tuple(attention_mask.shape[1:]) != (1, t, past + t) or \
+                    attention_mask.shape[0] not in (1, input_ids.shape[0]):
                 raise ValueError(
-                    f"attention_mask must have shape (1, 1, T, past + T) = {(1, 1, t, past + t)}, "
+                    f"attention_mask must have shape (B or 1, 1, T, past + T) = (B, 1, {t}, {past + t}), "
                     f"got {tuple(attention_mask.shape)}"
                 )
             if attention_mask.dtype == torch.bool:
@@ -311,6 +319,73 @@ class TargetModel:
         mask.zero_()
         mask[0, 0, :, first:].masked_fill_(hidden.to(self.device, non_blocking=True), float("-inf"))
         return self.forward(input_ids, cache, position_ids=positions[None], attention_mask=mask)
+
+
+    def prefill_rows(self, prompts: Sequence[Sequence[int]], cache: BatchCache) -> TargetOutput:
+        """Prefill an empty :class:`BatchCache` of ``len(prompts)`` rows with prompts of different lengths
+        in one forward: right-padded, each row seeing only its own prompt causally; row b then holds
+        ``len(prompts[b])`` entries. The outputs at padded positions are meaningless (row b's last real
+        position is ``len(prompts[b]) - 1``)."""
+        lengths = [len(p) for p in prompts]
+        if cache.rows != len(prompts) or any(cache.lengths):
+            raise ValueError(f"prefill_rows needs an empty BatchCache of {len(prompts)} rows, "
+                             f"got one with lengths {cache.lengths}")
+        if not prompts or min(lengths) < 1:
+            raise ValueError("prefill_rows needs at least one prompt, and every prompt at least one token")
+        t = max(lengths)
+        ids = torch.zeros(len(prompts), t, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
+        positions = torch.arange(t)[None].expand(len(prompts), -1)
+        real = positions < torch.tensor(lengths)[:, None]  # (B, T): the row's own prompt
+        visible = torch.ones(t, t, dtype=torch.bool).tril()[None] & real[:, None]
+        if self.sliding_window is not None:
+            visible &= positions[:, None, :] > positions[:, :, None] - self.sliding_window
+        out = self.forward(ids, cache, position_ids=positions,
+                           attention_mask=_additive_mask(visible[:, None].to(self.device), self.dtype))
+        cache.set_lengths(lengths)
+        return out
+
+    def verify_rows(self, roots: Sequence[int], trees: Sequence[Tree], cache: BatchCache) -> TargetOutput:
+        """One forward over every row's [root, tree] (row b: ``len(trees[b]) + 1`` tokens, padded to the
+        largest) under one (B, 1, T, past + T) mask. Row b's committed entries are slots
+        ``0 .. lengths[b] - 1`` and its new entries go to ``lengths[b] + i`` (``Tree.row``); a query sees
+        its row's committed entries (within the sliding window, if any), the root, its ancestors and
+        itself, never another row, a stale slot or padding (a padding query sees its row's committed
+        entries and itself; its output is meaningless). Every row's length grows by T: compact with
+        ``BatchCache.compact_rows(lengths, [Tree.cache_rows(accepted_b), ...])``."""
+        b_rows, starts = len(trees), list(cache.lengths)
+        if len(roots) != b_rows or cache.rows != b_rows:
+            raise ValueError(f"verify_rows needs one root and one tree per cache row ({cache.rows}), "
+                             f"got {len(roots)} roots and {b_rows} trees")
+        t = 1 + max(len(tree) for tree in trees)
+        past = cache.get_seq_length()
+        if t == 1 and len(set(starts)) == 1 and self.sliding_window is None:  # level rows, plain decoding
+            out = self.forward(torch.tensor([[int(r)] for r in roots]), cache,
+                               position_ids=torch.tensor([[past]] * b_rows))
+            cache.advance(1)
+            return out
+        ids = torch.zeros(b_rows, t, dtype=torch.long)
+        positions = torch.zeros(b_rows, t, dtype=torch.long)
+        key_positions = torch.arange(past + t).repeat(b_rows, 1)  # slot -> position, per row
+        visible = torch.zeros(b_rows, t, past + t, dtype=torch.bool)
+        for b, (root, tree, start) in enumerate(zip(roots, trees, starts, strict=True)):
+            n = len(tree) + 1
+            ids[b, :n] = torch.tensor([int(root), *tree.tokens], dtype=torch.long)
+            offsets = tree.position_offsets_with_root()
+            positions[b, :n] = start + offsets
+            positions[b, n:] = start
+            visible[b, :, :start] = True
+            visible[b, :n, start : start + n] = tree.attention_mask_with_root()
+            pads = torch.arange(n, t)
+            visible[b, pads, start + pads] = True
+            key_positions[b, start : start + n] = start + offsets
+        if self.sliding_window is not None:
+            visible &= key_positions[:, None, :] > positions[:, :, None] - self.sliding_window
+        mask = _additive_mask(visible[:, None].to(self.device, non_blocking=True), self.dtype)
+        out = self.forward(ids, cache, position_ids=positions, attention_mask=mask)
+        cache.advance(t)
+        return out
 
 
 def _additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
