@@ -23,6 +23,7 @@ import torch
 from eagle_tree.core.sampling import SamplingConfig, processed_probs
 from eagle_tree.core.tree import Tree
 from eagle_tree.core.verify import Proposal, VerifyRule, sample_token, verify_tree
+from eagle_tree.decoding.batch import SEED_STRIDE, BatchOutput, BatchRun, Request, RequestResult
 from eagle_tree.decoding.context import ContextDrafter
 from eagle_tree.decoding.drafting import Drafter, DrafterProtocol, TreeConfig
 from eagle_tree.decoding.shapes import load_decoding_defaults
@@ -140,16 +141,25 @@ class SpeculativeDecoder:
 
     def _build(self, tree: TreeConfig, drafter: DrafterProtocol | None = None) -> None:
         self.tree = tree
-        draft = self.draft
-        if drafter is None and self.tree.context is not None:  # context branches; no head: context only
-            drafter = ContextDrafter(Drafter(draft, self.tree) if draft is not None else None, self.tree.context)
-        if draft is not None:
-            draft.bind_target(self.target)
-            draft.eval()
-            drafter = drafter or Drafter(draft, self.tree)
+        self.custom_drafter = drafter is not None
+        if self.draft is not None:
+            self.draft.bind_target(self.target)
+            self.draft.eval()
+        drafter = drafter or self._new_drafter()
         if drafter is not None and not isinstance(drafter, DrafterProtocol):
             raise TypeError(f"drafter {type(drafter).__name__} lacks reset / catch_up / propose (DrafterProtocol)")
         self.drafter = drafter
+
+    def _new_drafter(self, rows: int = 1):
+        """A fresh drafter of this decoder's shape for ``rows`` rows: the head's (with context branches
+        if configured), context branches alone, or None (plain decoding)."""
+        draft, tree = self.draft, self.tree
+        drafter = None if draft is None else Drafter(draft, tree)
+        if tree.context is not None:  # context branches; no head: context only
+            drafter = ContextDrafter(drafter, tree.context)
+        if drafter is not None and rows != 1:
+            drafter.reset(rows)
+        return drafter
 
     @torch.no_grad()
     def generate(
@@ -160,10 +170,7 @@ class SpeculativeDecoder:
         seed: int = 0,
         eos_token_id: int | list[int] | None = None,
     ) -> GenerateOutput:
-        sampling = sampling or SamplingConfig(temperature=0.0)
-        default = self.defaults.get("greedy" if sampling.greedy else "sampling")
-        if default is not None and default != self.tree:  # the head folder's shape for this kind of decoding
-            self._build(default)
+        sampling, eos = self._prepare(sampling, eos_token_id)
         input_ids = torch.as_tensor(input_ids).long()
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
@@ -171,9 +178,8 @@ class SpeculativeDecoder:
             raise ValueError(f"input_ids must be one non-empty prompt of shape (1, T), got {tuple(input_ids.shape)}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
         verifier_gen = torch.Generator().manual_seed(seed)
-        draft_gen = torch.Generator().manual_seed(seed + 1_000_003)  # independent of the verifier's
+        draft_gen = torch.Generator().manual_seed(seed + SEED_STRIDE)  # independent of the verifier's
         device = self.target.device
         prompt_length = input_ids.shape[1]
         result = GenerateOutput(input_ids, prompt_length)
@@ -226,12 +232,97 @@ class SpeculativeDecoder:
         result.sequences = torch.tensor([tokens], dtype=torch.long)
         return result
 
+    def _prepare(self, sampling: SamplingConfig | None, eos_token_id) -> tuple[SamplingConfig, set[int]]:
+        """The sampling config (greedy by default), the head folder's shape for this kind of decoding,
+        and the set of EOS ids."""
+        sampling = sampling or SamplingConfig(temperature=0.0)
+        default = self.defaults.get("greedy" if sampling.greedy else "sampling")
+        if default is not None and default != self.tree:  # the head folder's shape for this kind of decoding
+            self._build(default)
+        eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+        return sampling, eos
+
+    @torch.no_grad()
+    def generate_batch(
+        self,
+        prompts,
+        max_new_tokens: int,
+        sampling: SamplingConfig | None = None,
+        seed: int = 0,
+        eos_token_id: int | list[int] | None = None,
+    ) -> BatchOutput:
+        """Decode several prompts (1-D token sequences of any lengths) together: one batch from the
+        start, each row with its own tree of this decoder's shape, all verified in one target forward per
+        round; rows leave as they reach EOS or ``max_new_tokens``. Returns a BatchOutput in input order
+        (``.sequences``, ``.acceptance_lengths``, per-request timing). Row i draws from the generators of
+        ``generate(prompts[i], seed=seed * len(prompts) + i)`` (decoding/batch.py)."""
+        requests = [Request(_prompt(p, i), max_new_tokens) for i, p in enumerate(prompts)]
+        if not requests:
+            raise ValueError("generate_batch needs at least one prompt")
+        return self.serve(requests, max_batch=len(requests), sampling=sampling, seed=seed, eos_token_id=eos_token_id)
+
+    @torch.no_grad()
+    def serve(
+        self,
+        requests: list[Request],
+        max_batch: int,
+        sampling: SamplingConfig | None = None,
+        seed: int = 0,
+        eos_token_id: int | list[int] | None = None,
+    ) -> BatchOutput:
+        """Continuous batching of ``requests`` (each with its arrival time, in seconds after the call):
+        first come, first served, at most ``max_batch`` rows; newcomers are prefilled together between
+        rounds and rows leave as they finish (decoding/batch.py). Per-request times include queueing."""
+        if self.custom_drafter:
+            raise ValueError("batched decoding drafts with the head and context branches of the decoder's shape; "
+                             "a drafter= object drafts for one sequence: use generate, or pass draft and tree")
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        for i, req in enumerate(requests):
+            req.prompt = _prompt(req.prompt, i)
+            budget = req.max_new_tokens
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+                raise ValueError(f"request {i}: max_new_tokens must be an integer >= 1, got {req.max_new_tokens!r}")
+        sampling, eos = self._prepare(sampling, eos_token_id)
+        context = self.tree.context
+        extra = 1 + (0 if self.drafter is None else self.tree.total_tokens
+                     + (0 if context is None else context.max_nodes))
+        run = BatchRun(self.target, None if self.drafter is None else self._new_drafter, sampling, seed,
+                       len(requests), eos, extra)
+        results: list[RequestResult | None] = [None] * len(requests)
+        waiting = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_s, i))
+        while waiting or run.rows:
+            now = run.now()
+            free = max_batch - len(run.rows)
+            arrived = [i for i in waiting if requests[i].arrival_s <= now][:free]
+            if arrived:
+                waiting = [i for i in waiting if i not in set(arrived)]
+                run.admit([(i, requests[i]) for i in arrived])
+                for row in run.retire():  # EOS as the first token
+                    results[row.index] = row.result
+            if not run.rows:
+                if waiting:
+                    time.sleep(max(0.0, requests[waiting[0]].arrival_s - run.now()))
+                continue
+            run.step()
+            for row in run.retire():
+                results[row.index] = row.result
+        return BatchOutput(results, run.now(), run.rounds)
+
     def _draft(self, pending, sampling: SamplingConfig, generator: torch.Generator) -> Proposal:
         """The round's proposal: the drafter's tree, or the empty tree of plain decoding."""
         if self.drafter is None:
             return Proposal(Tree([], []), None, VerifyRule.for_draft(sampling.greedy))
         self.drafter.catch_up(*pending)
         return self.drafter.propose(sampling, generator)
+
+
+def _prompt(prompt, index: int) -> torch.Tensor:
+    """A request's prompt as a non-empty 1-D long tensor."""
+    prompt = torch.as_tensor(prompt).long().reshape(-1) if not isinstance(prompt, torch.Tensor) else prompt.long()
+    if prompt.dim() != 1 or prompt.numel() == 0:
+        raise ValueError(f"prompt {index} must be a non-empty 1-D token sequence, got shape {tuple(prompt.shape)}")
+    return prompt
 
 
 def _compile(target: TargetModel, draft) -> None:

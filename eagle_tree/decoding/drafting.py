@@ -104,8 +104,8 @@ class DraftCache:
         n, end = k.shape[2], self.length + k.shape[2]
         if self.k is None or end > self.k.shape[2]:
             capacity = max(256, 2 * end)
-            new_k = k.new_empty(k.shape[0], k.shape[1], capacity, k.shape[3])
-            new_v = v.new_empty(new_k.shape)
+            new_k = k.new_zeros(k.shape[0], k.shape[1], capacity, k.shape[3])  # zeroed: stale slots of short
+            new_v = v.new_zeros(new_k.shape)  # rows are hidden, and 0 * NaN would still be NaN
             if self.k is not None:
                 new_k[:, :, : self.length] = self.k[:, :, : self.length]
                 new_v[:, :, : self.length] = self.v[:, :, : self.length]
@@ -255,9 +255,11 @@ class Drafter:
         are row b's (the rest is padding, written past the row's length and never seen)."""
         m, starts = features.shape[1], list(self.cache.lengths)
         counts = [m] * len(starts) if counts is None else [int(c) for c in counts]
-        if features.shape[0] != self.rows or len(counts) != self.rows or min(counts) < 1 or max(counts) > m:
-            raise ValueError(f"catch_up takes features of {self.rows} rows and 1 <= counts <= {m}, got "
-                             f"{features.shape[0]} rows and counts {counts}")
+        if features.shape[0] != self.rows or len(counts) != self.rows or min(counts) < 0 or not 1 <= max(counts) <= m:
+            raise ValueError(f"catch_up takes features of {self.rows} rows and 0 <= counts <= {m} (one row: {m}), "
+                             f"got {features.shape[0]} rows and counts {counts}")
+        if min(counts) == 0 and self.last_hidden is None:
+            raise ValueError("a row can skip a catch-up (count 0) only after its first one")
         device = features.device
         hidden = self.draft.fuse(features.to(self.draft.fc.weight.dtype))
         start = torch.tensor(starts, device=device)[:, None]
@@ -266,9 +268,14 @@ class Drafter:
         visible = slots[None, None, :] <= positions[:, :, None]  # row b's own slots up to its query
         out, logits = self._forward(hidden, next_tokens, positions, visible[:, None])
         self.cache.crop([a + c for a, c in zip(starts, counts, strict=True)])
-        last = torch.tensor(counts, device=device) - 1
-        rows = torch.arange(self.rows, device=device)
-        self.last_hidden, self.row_logits = out[rows, last][:, None], logits[rows, last].float()
+        count = torch.tensor(counts, device=device)
+        rows, last = torch.arange(self.rows, device=device), (count - 1).clamp_min(0)
+        hidden, row_logits = out[rows, last][:, None], logits[rows, last].float()
+        if min(counts) == 0:  # rows without new pairs keep their state
+            moved = count > 0
+            hidden = torch.where(moved[:, None, None], hidden, self.last_hidden)
+            row_logits = torch.where(moved[:, None], row_logits, self.row_logits)
+        self.last_hidden, self.row_logits = hidden, row_logits
 
     @torch.no_grad()
     def follow(self, tokens: list[int]) -> list[torch.Tensor]:

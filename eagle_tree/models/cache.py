@@ -161,15 +161,26 @@ class RowLayer(BufferLayer):
         self.length = end
         return self.keys[:, :, :end], self.values[:, :, :end]
 
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.keys.zero_(), self.values.zero_()  # stale slots are hidden, but 0 * NaN would still be NaN
+
     def _grow(self, needed: int) -> None:
-        self.length = max(self.owner.lengths, default=0)  # the filled prefix of the longest row
-        super()._grow(needed)
+        """Reallocate (zeroed, doubling), keeping the slots up to the longest row."""
+        length = max(self.owner.lengths, default=0)
+        self.capacity = max(needed, 2 * self.capacity)
+        keys, values = self.keys, self.values
+        self.keys = keys.new_zeros(*keys.shape[:2], self.capacity, keys.shape[3])
+        self.values = values.new_zeros(*values.shape[:2], self.capacity, values.shape[3])
+        self.keys[:, :, :length] = keys[:, :, :length]
+        self.values[:, :, :length] = values[:, :, :length]
 
 
 class BatchCache(Cache):
     """A target cache of several rows (requests) of different lengths: row b's committed entries fill
     slots ``0 .. lengths[b] - 1`` of every layer's buffer (B, n_kv_heads, capacity, head_dim), entry ``s``
-    holding position ``s``; slots past a row's length are stale and must be hidden by the caller's mask.
+    holding position ``s``; slots past a row's length are stale and must be hidden by the caller's mask
+    (buffers are allocated zeroed, so a hidden slot never holds a NaN that a zero weight would spread).
 
     A forward of T tokens writes row b's entries at ``lengths[b] .. lengths[b] + T - 1`` (one slice write
     when the rows are level, one scatter otherwise) and shows the model the buffer up to the longest row;

@@ -341,6 +341,7 @@ class TargetModel:
         visible = torch.ones(t, t, dtype=torch.bool).tril()[None] & real[:, None]
         if self.sliding_window is not None:
             visible &= positions[:, None, :] > positions[:, :, None] - self.sliding_window
+        visible |= torch.eye(t, dtype=torch.bool)  # a padding query sees at least itself: no NaN row to spread
         out = self.forward(ids, cache, position_ids=positions,
                            attention_mask=_additive_mask(visible[:, None].to(self.device), self.dtype))
         cache.set_lengths(lengths)
