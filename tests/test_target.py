@@ -301,7 +301,7 @@ def test_forward_masks_and_hook_cleanup():
     plain = target.forward(tokens, target.new_cache())
     causal = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
     assert _close(target.forward(tokens, target.new_cache(), attention_mask=causal).logits, plain.logits)
-    with pytest.raises(ValueError, match=r"\(1, 1, T, past \+ T\)"):
+    with pytest.raises(ValueError, match=r"\(B or 1, 1, T, past \+ T\)"):
         target.forward(tokens, target.new_cache(), attention_mask=causal[..., :5])
     with pytest.raises(IndexError):  # token id out of the vocabulary: fails inside the model
         target.forward(torch.tensor([[VOCAB + 1]]), target.new_cache())

@@ -367,26 +367,39 @@ class TargetModel:
             cache.advance(1)
             return out
         ids = torch.zeros(b_rows, t, dtype=torch.long)
-        positions = torch.zeros(b_rows, t, dtype=torch.long)
-        key_positions = torch.arange(past + t).repeat(b_rows, 1)  # slot -> position, per row
-        visible = torch.zeros(b_rows, t, past + t, dtype=torch.bool)
-        for b, (root, tree, start) in enumerate(zip(roots, trees, starts, strict=True)):
-            n = len(tree) + 1
-            ids[b, :n] = torch.tensor([int(root), *tree.tokens], dtype=torch.long)
-            offsets = tree.position_offsets_with_root()
-            positions[b, :n] = start + offsets
-            positions[b, n:] = start
-            visible[b, :, :start] = True
-            visible[b, :n, start : start + n] = tree.attention_mask_with_root()
-            pads = torch.arange(n, t)
-            visible[b, pads, start + pads] = True
-            key_positions[b, start : start + n] = start + offsets
-        if self.sliding_window is not None:
-            visible &= key_positions[:, None, :] > positions[:, :, None] - self.sliding_window
+        for b, (root, tree) in enumerate(zip(roots, trees, strict=True)):
+            ids[b, : len(tree) + 1] = torch.tensor([int(root), *tree.tokens], dtype=torch.long)
+        visible, positions = rows_visibility(starts, trees, past, self.sliding_window)
         mask = _additive_mask(visible[:, None].to(self.device, non_blocking=True), self.dtype)
         out = self.forward(ids, cache, position_ids=positions, attention_mask=mask)
         cache.advance(t)
         return out
+
+
+def rows_visibility(starts: Sequence[int], trees: Sequence[Tree], past: int,
+                    sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The visibility (B, T, past + T) bool and the positions (B, T) of a batched verification
+    (``TargetModel.verify_rows``): row b's committed slots ``0 .. starts[b] - 1`` are seen by all its
+    queries (within the window), its [root, tree] sits at slots ``starts[b] + i`` under the tree mask, a
+    padding query sees its row's committed slots and itself; no query sees another row's slots, a stale
+    slot (``starts[b] .. past - 1``) or padding."""
+    b_rows, t = len(trees), 1 + max(len(tree) for tree in trees)
+    positions = torch.zeros(b_rows, t, dtype=torch.long)
+    key_positions = torch.arange(past + t).repeat(b_rows, 1)  # slot -> position, per row
+    visible = torch.zeros(b_rows, t, past + t, dtype=torch.bool)
+    for b, (tree, start) in enumerate(zip(trees, starts, strict=True)):
+        n = len(tree) + 1
+        offsets = tree.position_offsets_with_root()
+        positions[b, :n] = start + offsets
+        positions[b, n:] = start
+        visible[b, :, :start] = True
+        visible[b, :n, start : start + n] = tree.attention_mask_with_root()
+        pads = torch.arange(n, t)
+        visible[b, pads, start + pads] = True
+        key_positions[b, start : start + n] = start + offsets
+    if sliding_window is not None:
+        visible &= key_positions[:, None, :] > positions[:, :, None] - sliding_window
+    return visible, positions
 
 
 def _additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
