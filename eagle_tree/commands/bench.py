@@ -11,6 +11,9 @@
 3. Report in ``output_dir``: ``bench.json`` (conditions, config, tuning, one row per method, the
    call order), ``bench.md`` (tables), ``survival.png`` and ``time_per_token.png``, ``config.yaml``.
 
+``eagle-tree bench serving --config configs/bench-serving.yaml`` is the serving sweep instead (batch
+sizes, context lengths, output budgets, continuous load; eagle_tree.commands.bench_serving).
+
 ``tiny_assets=FOLDER`` builds (once) a tiny random target, an untrained head, an assistant (the
 target's own weights) and prompts there and uses them instead of the reference assets: the smoke run.
 """
@@ -237,8 +240,14 @@ def tune_shapes(cfg: BenchConfig, models, tuning_ids, out_dir: Path, **common):
 
 
 def main(argv: list[str]) -> int:
+    """``eagle-tree bench [--config FILE] [key=value ...]``; ``eagle-tree bench serving ...`` runs the
+    serving sweep (eagle_tree.commands.bench_serving)."""
     from eagle_tree.utils.checks import exit_on_input_error
 
+    if argv and argv[0] == "serving":
+        from eagle_tree.commands.bench_serving import main as serving_main
+
+        return serving_main(argv[1:])
     return exit_on_input_error("eagle-tree bench", run, parse_cli(BenchConfig, argv, prog="eagle-tree bench"))
 
 
