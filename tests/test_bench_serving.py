@@ -35,8 +35,8 @@ from eagle_tree.bench.serving import (
     pick_tuned,
     poisson_arrivals,
 )
+from eagle_tree.cli import main as cli_main
 from eagle_tree.commands.bench import build_tiny_assets
-from eagle_tree.commands.bench import main as bench_main
 from eagle_tree.commands.bench_serving import QUICK, ServingBenchConfig
 from eagle_tree.core.sampling import SamplingConfig
 from eagle_tree.decoding.batch import BatchOutput, RequestResult
@@ -159,7 +159,7 @@ def test_config_rejects_bad_values(override, message):
 
 
 def test_context_longer_than_positions_is_refused(tmp_path, capsys):
-    rc = bench_main(["serving", "--config", str(CONFIG), "contexts=[128, 1024]", "load_context=128",
+    rc = cli_main(["bench", "serving", "--config", str(CONFIG), "contexts=[128, 1024]", "load_context=128",
                      f"output_dir={tmp_path / 'out'}", "progress=false"])
     assert rc == 2
     err = capsys.readouterr().err
@@ -349,8 +349,8 @@ def assets(tmp_path_factory):
 def _smoke(assets, out, extra=()):
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        rc = bench_main(["serving", "--config", str(CONFIG), "quick=true", f"tiny_assets={assets['target'].parent}",
-                         f"output_dir={out}", "progress=false", "threads=1", *extra])
+        rc = cli_main(["bench", "serving", "--config", str(CONFIG), "quick=true", f"output_dir={out}",
+                       f"tiny_assets={assets['target'].parent}", "progress=false", "threads=1", *extra])
     assert rc == 0
     return json.loads((out / "serving.json").read_text()), (out / "serving.md").read_text(), printed.getvalue()
 

@@ -142,7 +142,7 @@ def context_prompts(tokenizer, texts: Sequence[str], n: int, length: int, vocab_
                     raise ValueError("the prompt texts add no tokens: they cannot fill a prompt")
                 after_cycle = len(ids)
             parts.append(texts[(start + len(parts)) % len(texts)])
-            ids = list(tokenizer.encode(separator.join(parts)))
+            ids = list(tokenizer.encode(separator.join(parts), verbose=False))  # no "longer than the model" warning
         ids = ids[:length]
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in ids):
             raise ValueError(f"the tokenizer gives ids outside the target's vocabulary of {vocab_size}: "
@@ -322,10 +322,12 @@ class Sweep:
         return {"throughput": throughput, "tuned": tuned, "crossover_batch_size": crossover_batch_size(tuned)}
 
     def cells(self, methods: Sequence[str], prompts: Sequence[torch.Tensor], batch_sizes: Sequence[int],
-              max_new_tokens: int, tuned: Mapping[int, str] | None = None, compare_to: str = PLAIN) -> list[dict]:
+              max_new_tokens: int, tuned: Mapping[int, str] | None = None, compare_to: str = PLAIN,
+              warmup: bool = True) -> list[dict]:
         """One row per (batch size, method) at one context and output budget. Repeat r decodes prompts
         r*B .. r*B + B - 1 with seed ``seed + r`` in every method; methods run interleaved (the order
-        rotated per batch size and repeat), each warmed up first (unrecorded). ``tuned`` resolves the
+        rotated per batch size and repeat), each warmed up first (unrecorded; ``warmup=False``: not, e.g.
+        when an earlier call warmed the same batch sizes at another output budget). ``tuned`` resolves the
         method ``tuned`` per batch size; when its shape is already a method of the cell, that method's
         row is reused (``reused_from``). Greedy rows say whether every request's output equals
         ``compare_to``'s."""
@@ -345,7 +347,7 @@ class Sweep:
             outputs: dict[str, list[BatchOutput]] = {n: [] for n in cell}
             peaks = dict.fromkeys(cell, 0)
             order = _rotated(list(cell.items()), b_index)
-            for _, method in order:
+            for _, method in order if warmup else []:
                 self._warm(method, prompts[:batch])
             for r in range(self.repeats):
                 chunk = prompts[r * batch:(r + 1) * batch]

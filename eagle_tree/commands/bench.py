@@ -240,14 +240,8 @@ def tune_shapes(cfg: BenchConfig, models, tuning_ids, out_dir: Path, **common):
 
 
 def main(argv: list[str]) -> int:
-    """``eagle-tree bench [--config FILE] [key=value ...]``; ``eagle-tree bench serving ...`` runs the
-    serving sweep (eagle_tree.commands.bench_serving)."""
     from eagle_tree.utils.checks import exit_on_input_error
 
-    if argv and argv[0] == "serving":
-        from eagle_tree.commands.bench_serving import main as serving_main
-
-        return serving_main(argv[1:])
     return exit_on_input_error("eagle-tree bench", run, parse_cli(BenchConfig, argv, prog="eagle-tree bench"))
 
 

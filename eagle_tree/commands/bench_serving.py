@@ -82,7 +82,8 @@ class ServingBenchConfig:
     repeats: int = 2
     """Batches per cell in the sweep (each on other prompts); figures pool them."""
     warmup_tokens: int = 8
-    """Unrecorded batch of this many tokens per method before each cell's measured batches (0: none)."""
+    """Unrecorded batch of this many tokens per method and batch size before the measured ones, once per context
+    (and per batch size in the tuning pass; 0: none)."""
     arrival_rates: list[float] = field(default_factory=lambda: [2.0, 4.0, 8.0])
     """Continuous load: Poisson arrival rates in requests per second (empty: no load phase)."""
     load_requests: int = 32
@@ -276,7 +277,7 @@ def run(cfg: ServingBenchConfig) -> int:
 
     vocab, top = models.target.vocab_size, max(cfg.batch_sizes)
     eos = models.tokenizer.eos_token_id if cfg.stop_at_eos else None
-    load_methods = [m for m in cfg.methods if m != HF_GENERATE]
+    load_methods = [m for m in cfg.methods if m != HF_GENERATE] if cfg.arrival_rates else []
     total = ((len(cfg.contexts) * len(cfg.batch_sizes) if tuning else 0)
              + sum(len(b) for b in budgets["sweep"].values()) * len(cfg.batch_sizes)
              + len(cfg.arrival_rates) * len(load_methods))
@@ -295,14 +296,14 @@ def run(cfg: ServingBenchConfig) -> int:
         cells = []
         for context in cfg.contexts:
             prompts = context_prompts(models.tokenizer, test_texts, top * cfg.repeats, context, vocab)
-            for entry in budgets["sweep"][context]:
+            for i, entry in enumerate(budgets["sweep"][context]):  # warmed up once per context
                 rows = sweep.cells(cfg.methods, prompts, cfg.batch_sizes, entry["budget"],
-                                   tuned=tuned[context]["tuned"] if tuning else None)
+                                   tuned=tuned[context]["tuned"] if tuning else None, warmup=i == 0)
                 for row in rows:
                     cells.append({"context": context, "output_budget": entry["budget"],
                                   "output_budget_asked": entry["asked"], "capped": entry["capped"]} | row)
         load = None
-        if cfg.arrival_rates:
+        if load_methods:
             budget = budgets["load"][cfg.load_context][0]["budget"]
             prompts = context_prompts(models.tokenizer, test_texts, cfg.load_requests, cfg.load_context, vocab)
             shape = tuned[cfg.load_context]["tuned"][cfg.load_max_batch] if tuning else None
