@@ -232,10 +232,10 @@ def hf_generate_batch(
     Per-request timing comes from an :class:`HFBatchRecorder`; what it cannot see, and so what is
     approximate:
 
-    - a token's time is when ``generate`` handed it to the streamer, right after the step's forward and
-      token choice and before its stopping check (the same point for every row of a step): tokens
-      reach the host in the same step as in eagle-tree's loop, so TTFT, TPOT and gaps compare, but
-      the streamer's own device-to-host copy is inside the time;
+    - a token's time is when ``generate`` hands the step's tokens to the streamer: after the step's
+      forward and token choice, before its stopping check, the same time for every row; the clock
+      starts just before the call, so ``generate``'s own set-up counts in the first token's time, and
+      the copy of the tokens to the host counts in every step;
     - the batch is static: every request arrives and is admitted at 0, and a row that stops at EOS
       keeps being computed (on pad tokens) until the last row stops; its finish time is when its own
       last token came out, so its latency does not include that tail, but the batch's ``total_s``
