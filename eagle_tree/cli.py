@@ -19,11 +19,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("eagle_tree.commands.export", "export a head to the EAGLE-3, SGLang or vLLM layout"),
     "demo": ("eagle_tree.commands.demo", "show the exact verifier on a three-token example"),
 }
+# (command, first argument) -> (module, one-line help): a command's mode with a schema of its own
+SUBCOMMANDS: dict[tuple[str, str], tuple[str, str]] = {
+    ("bench", "serving"): ("eagle_tree.commands.bench_serving", "batch sizes, contexts, output lengths and load"),
+}
 
 
 def _usage() -> str:
     lines = ["usage: eagle-tree <command> [--config FILE] [key=value ...]", "", "commands:"]
     lines += [f"  {name:<11} {text}" for name, (_, text) in COMMANDS.items()]
+    lines += [f"  {' '.join(key)}  {text}" for key, (_, text) in SUBCOMMANDS.items()]
     return "\n".join(lines)
 
 
@@ -41,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"eagle-tree: unknown command {name!r}{hint}\n\n{_usage()}", file=sys.stderr)
         return 2
     module_name = COMMANDS[name][0]
+    if rest and (name, rest[0]) in SUBCOMMANDS:
+        module_name, rest = SUBCOMMANDS[name, rest[0]][0], rest[1:]
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:

@@ -11,6 +11,9 @@
 3. Report in ``output_dir``: ``bench.json`` (conditions, config, tuning, one row per method, the
    call order), ``bench.md`` (tables), ``survival.png`` and ``time_per_token.png``, ``config.yaml``.
 
+``eagle-tree bench serving --config configs/bench-serving.yaml`` is the serving sweep instead (batch
+sizes, context lengths, output budgets, continuous load; eagle_tree.commands.bench_serving).
+
 ``tiny_assets=FOLDER`` builds (once) a tiny random target, an untrained head, an assistant (the
 target's own weights) and prompts there and uses them instead of the reference assets: the smoke run.
 """
