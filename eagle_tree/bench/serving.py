@@ -231,6 +231,7 @@ def batch_figures(outputs: Sequence[BatchOutput]) -> dict[str, Any]:
         "acceptance_length": sum(rounds) / len(rounds) if rounds else None,
         "queue_mean_s": _mean([r.admitted_s - r.arrival_s for r in results]),
         "eos_stops": sum(r.stopped_by == "eos" for r in results),
+        "cache_peak_mb": max((o.peak_cache_bytes for o in outputs), default=0) / 2**20 or None,
     }
 
 

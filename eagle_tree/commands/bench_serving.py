@@ -186,6 +186,8 @@ NOTES = {
     "gaps": "p50 / p95 over every gap between consecutive streamed tokens of a request (a round's tokens come "
             "out together: gaps of 0 inside a round)",
     "acceptance_length": "tokens committed per round, pooled over every request's rounds (1.0 without a draft)",
+    "cache_peak_mb": "the largest size of the key/value buffers (target cache and head cache) during a call, max "
+                     "over a cell's calls (eagle-tree methods only): the memory that grows with batch and context",
     "peak_memory_mb": "peak above the level at the start of each call, max over a cell's calls; see "
                       "conditions.memory_method",
     "tuned": "per context and batch size, the candidate shape with the highest throughput on the tuning prompts "
@@ -375,8 +377,8 @@ def markdown_report(report: dict) -> str:
     for (ctx, budget), rows in groups.items():
         lines += [f"### Context {ctx} tokens, output {budget} tokens", "",
                   "| batch | method | shape | tok/s | x plain | x HF | TTFT ms | latency ms | p95 latency ms "
-                  "| TPOT ms | gap p50 / p95 ms | peak MB | tau | = plain |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| TPOT ms | gap p50 / p95 ms | peak MB | cache MB | tau | = plain |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             match = {True: "yes", False: f"NO ({r['mismatched_requests']})", None: "n/a"}[r["outputs_match_plain"]]
             name = r["method"] + (f" (= {r['reused_from']})" if r["reused_from"] else "")
@@ -385,7 +387,8 @@ def markdown_report(report: dict) -> str:
                 f"{_num(r['throughput_vs_plain'], 2, 'x')} | {_num(r['throughput_vs_hf'], 2, 'x')} | "
                 f"{_ms(r['ttft_mean_s'])} | {_ms(r['latency_mean_s'])} | {_ms(r['latency_p95_s'])} | "
                 f"{_ms(r['tpot_mean_s'])} | {_ms(r['gap_p50_s'])} / {_ms(r['gap_p95_s'])} | "
-                f"{r['peak_memory_mb']:.1f} | {_num(r['acceptance_length'], 2)} | {match} |")
+                f"{r['peak_memory_mb']:.1f} | {_num(r.get('cache_peak_mb'), 1)} | {_num(r['acceptance_length'], 2)} | "
+                f"{match} |")
         lines.append("")
     load = report["load"]
     if load:
@@ -393,15 +396,16 @@ def markdown_report(report: dict) -> str:
                   f"{load['requests']} requests of {load['context']} prompt tokens and {load['output_budget']} new "
                   f"tokens per rate, at most {load['max_batch']} rows. Policy: {NOTES['continuous_load']}.", "",
                   "| rate req/s | method | shape | tok/s | TTFT ms | queue ms | latency ms | p95 latency ms | TPOT ms |"
-                  " gap p50 / p95 ms | peak MB | tau |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  " gap p50 / p95 ms | peak MB | cache MB | tau |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in load["rows"]:
             name = r["method"] + (f" (= {r['reused_from']})" if r["reused_from"] else "")
             lines.append(
                 f"| {r['rate_rps']:g} | {name} | {r['shape']} | {_num(r['throughput_tok_s'])} | "
                 f"{_ms(r['ttft_mean_s'])} | {_ms(r['queue_mean_s'])} | {_ms(r['latency_mean_s'])} | "
                 f"{_ms(r['latency_p95_s'])} | {_ms(r['tpot_mean_s'])} | {_ms(r['gap_p50_s'])} / "
-                f"{_ms(r['gap_p95_s'])} | {r['peak_memory_mb']:.1f} | {_num(r['acceptance_length'], 2)} |")
+                f"{_ms(r['gap_p95_s'])} | {r['peak_memory_mb']:.1f} | {_num(r.get('cache_peak_mb'), 1)} | "
+                f"{_num(r['acceptance_length'], 2)} |")
         lines.append("")
     return "\n".join(lines)
 

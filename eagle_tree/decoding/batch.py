@@ -98,6 +98,7 @@ class BatchOutput:
     results: list[RequestResult]
     total_s: float = 0.0
     rounds: int = 0  # target forwards of decoding rounds (prefills excluded)
+    peak_cache_bytes: int = 0  # the largest size of the target's and the head's key/value buffers during the run
 
     @property
     def sequences(self) -> list[torch.Tensor]:
@@ -153,6 +154,7 @@ class BatchRun:
         self.start = time.perf_counter()
         self.sync = torch.cuda.synchronize if target.device.type == "cuda" else None
         self.rounds = 0
+        self.peak_cache_bytes = 0
 
     def now(self) -> float:
         if self.sync is not None:
@@ -200,6 +202,16 @@ class BatchRun:
                 self.drafter.add_rows(drafter)
         self.rows += new_rows
         self._pad_pending()
+        self._measure()
+
+    def _measure(self) -> None:
+        """Track the peak size of the key/value buffers (target cache and head cache)."""
+        size = sum(t.numel() * t.element_size() for layer in self.cache.layers if layer.is_initialized
+                   for t in (layer.keys, layer.values))
+        cache = getattr(self.drafter, "cache", None) or getattr(getattr(self.drafter, "inner", None), "cache", None)
+        if cache is not None and cache.k is not None:
+            size += cache.k.numel() * cache.k.element_size() * 2
+        self.peak_cache_bytes = max(self.peak_cache_bytes, size)
 
     def _pad_pending(self) -> None:
         """Pending pairs after rows joined or left: the newcomers have none (caught up at admission)."""
@@ -247,6 +259,7 @@ class BatchRun:
             row.result.acceptance_lengths.append(len(new))
             row.result.token_times += [now] * len(new)
         self.rounds += 1
+        self._measure()
 
     def _draft(self) -> list[Proposal]:
         rows = self.rows

@@ -307,7 +307,7 @@ class SpeculativeDecoder:
             run.step()
             for row in run.retire():
                 results[row.index] = row.result
-        return BatchOutput(results, run.now(), run.rounds)
+        return BatchOutput(results, run.now(), run.rounds, run.peak_cache_bytes)
 
     def _draft(self, pending, sampling: SamplingConfig, generator: torch.Generator) -> Proposal:
         """The round's proposal: the drafter's tree, or the empty tree of plain decoding."""
