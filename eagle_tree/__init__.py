@@ -25,6 +25,9 @@ _LAZY = {
     "SpeculativeDecoder": "decoding.decoder",
     "GenerateOutput": "decoding.decoder",
     "RoundStats": "decoding.decoder",
+    "Request": "decoding.batch",
+    "RequestResult": "decoding.batch",
+    "BatchOutput": "decoding.batch",
 }
 
 __all__ = [
