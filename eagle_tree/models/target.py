@@ -333,6 +333,10 @@ class TargetModel:
         if not prompts or min(lengths) < 1:
             raise ValueError("prefill_rows needs at least one prompt, and every prompt at least one token")
         t = max(lengths)
+        if len(set(lengths)) == 1 and self.sliding_window is None:  # level rows: plain causal attention
+            out = self.forward(torch.tensor([list(p) for p in prompts], dtype=torch.long), cache)
+            cache.set_lengths(lengths)
+            return out
         ids = torch.zeros(len(prompts), t, dtype=torch.long)
         for b, p in enumerate(prompts):
             ids[b, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
