@@ -46,7 +46,7 @@ def test_quickstart_writes_summary_plot_head_and_wandb(tmp_path, monkeypatch, ca
     assert sorted((r["method"], r["head"] or "", r["temperature"]) for r in rows) == sorted(
         [("plain", "", t) for t in (0.0, 1.0)]
         + [(m, h, t) for m in ("chain", "tree") for h in ("fresh", "shipped") for t in (0.0, 1.0)]
-        + [("default", "shipped", t) for t in (0.0, 1.0)])
+        + [("default", h, t) for h in ("fresh", "shipped") for t in (0.0, 1.0)])
     for r in rows:
         assert r["acceptance_length"] >= 1.0 and r["time_per_output_token_s"] > 0
         if r["temperature"] == 0.0:
@@ -55,8 +55,9 @@ def test_quickstart_writes_summary_plot_head_and_wandb(tmp_path, monkeypatch, ca
     assert shapes[("tree", 0.0)] == "tree-d4k3n9" and shapes[("chain", 0.0)] == "chain-4"
     # at temperature 1 the drafts are sampled from the head (sampled_drafts, on by default)
     assert shapes[("tree", 1.0)] == "tree-d3k2n10-sampled" and shapes[("chain", 1.0)] == "chain-4-sampled"
-    # the shipped head's own decoder follows its decoding.json, per temperature
-    assert shapes[("default", 0.0)] == "chain-2+ctx4" and shapes[("default", 1.0)] == "chain-1-sampled"
+    # the shipped head's own decoder follows its decoding.json, per temperature; the fresh head drafts the same
+    assert {(r["head"], r["temperature"]): r["shape"] for r in rows if r["method"] == "default"} == {
+        (h, t): "chain-2+ctx4" if t == 0.0 else "chain-1-sampled" for h in ("fresh", "shipped") for t in (0.0, 1.0)}
     greedy_tree = next(r for r in rows if r["method"] == "tree" and r["temperature"] == 0.0 and r["head"] == "fresh")
     assert greedy_tree["acceptance_length"] > 1.3  # the toy target is predictable: a trained head is accepted
     assert (out / "survival.png").stat().st_size > 1000

@@ -139,8 +139,9 @@ class ScheduleSection:
 class TTTSection:
     """The training-time test (ttt.ttt_forward)."""
 
-    steps: int = 7
-    """unrolled draft steps per position"""
+    steps: int = 3
+    """unrolled draft steps per position (3: the reference study's winner at equal minutes, docs/TRAINING.md;
+    deeper drafts than steps + 1 levels are drafted by a head never trained that deep)"""
     decay: float = 0.8
     """weight of step s is decay ** s"""
 
