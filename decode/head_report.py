@@ -1,0 +1,98 @@
+"""A head's acceptance figures on a prompt set, head only (no context branches), greedy.
+
+    python decode/head_report.py                                   # the shipped head, out-of-corpus test prompts
+    python decode/head_report.py head=runs/reference-head-60/final prompts=assets/reference/prompts/test.jsonl
+
+Runs the training evaluation (eagle_tree.training.evaluate) outside training: tokens committed per round
+with a chain of ``chain_length`` and a tree, on the first ``num_prompts`` prompts; the copying set
+(``reference/copying.py``) with a chain of ``copy_chain_length``; and the head's top-1 agreement with the
+target per draft step on the target's greedy continuations of the prompts. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from eagle_tree.models.head import Eagle3DraftModel
+from eagle_tree.models.target import TargetModel
+from eagle_tree.reference.copying import copy_prompts
+from eagle_tree.training.config import EvalSection
+from eagle_tree.training.evaluate import evaluate_acceptance
+from eagle_tree.utils.config import parse_cli
+from eagle_tree.utils.prompts import read_prompt_file
+
+
+@dataclass
+class HeadReportConfig:
+    """A head's acceptance figures on a prompt set."""
+
+    target: str = "assets/reference/target"
+    """the target model folder"""
+    head: str = "assets/reference/head"
+    """the draft head folder"""
+    prompts: str = "assets/ooc/prompts.jsonl"
+    """prompts (.jsonl with a `prompt` field); the default is the out-of-corpus test set"""
+    num_prompts: int = 16
+    """how many prompts"""
+    max_prompt_tokens: int = 256
+    """keep the last N tokens of each prompt"""
+    max_new_tokens: int = 64
+    """new tokens per prompt"""
+    chain_length: int = 4
+    """draft tokens of the chain"""
+    tree_depth: int = 3
+    """depth of the tree"""
+    tree_top_k: int = 3
+    """top-k of the tree"""
+    tree_total_tokens: int = 8
+    """nodes of the tree"""
+    copy_prompts: str = "code"
+    """the copying set's style (reference/copying.py)"""
+    copy_num_prompts: int = 8
+    """copying prompts"""
+    copy_chain_length: int = 6
+    """draft tokens of the chain on the copying set"""
+    copy_max_new_tokens: int = 48
+    """new tokens per copying prompt"""
+    agreement_steps: int = 4
+    """draft steps of the top-1 agreement"""
+    threads: int = 2
+    """torch CPU threads"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_cli(HeadReportConfig, sys.argv[1:] if argv is None else argv, prog="head_report.py")
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(cfg.threads)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.target)
+    layers = json.loads(open(f"{cfg.head}/config.json").read()).get("feature_layers")
+    target = TargetModel.from_pretrained(cfg.target, feature_layers=layers)
+    head = Eagle3DraftModel.from_pretrained(cfg.head, target=target)
+    texts = [p.text for p in read_prompt_file(cfg.prompts)[: cfg.num_prompts]]
+    prompt_ids = [tokenizer(t, return_tensors="pt")["input_ids"][0][-cfg.max_prompt_tokens :] for t in texts]
+    copy_ids = [tokenizer(t, return_tensors="pt")["input_ids"][0]
+                for t in copy_prompts(cfg.copy_prompts, cfg.copy_num_prompts)]
+    ev = EvalSection(max_new_tokens=cfg.max_new_tokens, chain_length=cfg.chain_length, tree_depth=cfg.tree_depth,
+                     tree_top_k=cfg.tree_top_k, tree_total_tokens=cfg.tree_total_tokens,
+                     copy_chain_length=cfg.copy_chain_length, copy_max_new_tokens=cfg.copy_max_new_tokens)
+    result = evaluate_acceptance(target, head, prompt_ids, ev, eos_token_id=tokenizer.eos_token_id,
+                                 copy_ids=copy_ids, agreement_steps=cfg.agreement_steps)
+    report = {"head": cfg.head, "prompts": cfg.prompts, "num_prompts": len(prompt_ids),
+              "max_new_tokens": cfg.max_new_tokens,
+              "chain": f"chain-{cfg.chain_length}", "acceptance_length_chain": result["acceptance_length_chain"],
+              "tree": f"tree-d{cfg.tree_depth}k{cfg.tree_top_k}n{cfg.tree_total_tokens}",
+              "acceptance_length_tree": result["acceptance_length_tree"],
+              "copy_chain": f"chain-{cfg.copy_chain_length}",
+              "acceptance_length_copy_chain": result["acceptance_length_copy_chain"],
+              "agreement_per_step": [round(a, 4) for a in result["agreement"]]}
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
