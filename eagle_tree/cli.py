@@ -12,12 +12,14 @@ import sys
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("eagle_tree.commands.train", "train an EAGLE-3 draft head on a dataset"),
+    "chat-data": ("eagle_tree.commands.chat_data", "synthesise two-turn chat data with the target (Magpie)"),
     "regenerate": ("eagle_tree.commands.regenerate", "continue dataset rows with the target (training data)"),
     "decode": ("eagle_tree.commands.decode", "decode prompts with a draft head (tree, chain or plain)"),
     "bench": ("eagle_tree.commands.bench", "benchmark eagle-tree against baselines"),
     "quickstart": ("eagle_tree.commands.quickstart", "train a head on the reference target and compare"),
     "export": ("eagle_tree.commands.export", "export a head to the EAGLE-3, SGLang or vLLM layout"),
     "demo": ("eagle_tree.commands.demo", "show the exact verifier on a three-token example"),
+    "reference": ("eagle_tree.commands.reference", "locate and convert a reference target (smollm2)"),
 }
 # (command, first argument) -> (module, one-line help): a command's mode with a schema of its own
 SUBCOMMANDS: dict[tuple[str, str], tuple[str, str]] = {

@@ -119,9 +119,9 @@ def load_models(cfg: DecodeConfig):
     """(SpeculativeDecoder, tokenizer) for the config; the target path, the head path and the head's
     weights are checked first (eagle_tree.utils.checks)."""
     import torch
-    from transformers import AutoTokenizer
 
     from eagle_tree.decoding.decoder import SpeculativeDecoder
+    from eagle_tree.models.gguf import load_tokenizer
     from eagle_tree.models.head import Eagle3DraftModel
     from eagle_tree.models.target import TargetModel
     from eagle_tree.utils.checks import InputError, check_finite_weights, check_target_path
@@ -132,7 +132,7 @@ def load_models(cfg: DecodeConfig):
             raise InputError(f"mode={cfg.mode} needs a draft head: set head=PATH (or mode=plain)")
         check_head_path(cfg.head)
     dtype = getattr(torch, cfg.dtype)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.target)
+    tokenizer = load_tokenizer(cfg.target)
     head = None
     if cfg.mode != "plain":
         head_path = Path(cfg.head)

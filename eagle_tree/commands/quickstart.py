@@ -151,17 +151,17 @@ def compare(cfg: QuickstartConfig, head_dir: Path):
     """Decode the prompts with every method at every temperature, with the fresh head and the reference
     head; return summaries (each row's ``head`` says which head drafted it) and outputs."""
     import torch
-    from transformers import AutoTokenizer
 
     from eagle_tree.core.sampling import SamplingConfig
     from eagle_tree.decoding.decoder import SpeculativeDecoder
     from eagle_tree.decoding.metrics import summarize
+    from eagle_tree.models.gguf import load_tokenizer
     from eagle_tree.models.head import Eagle3DraftModel
     from eagle_tree.models.target import TargetModel
     from eagle_tree.utils.checks import check_finite_weights
     from eagle_tree.utils.prompts import encode_prompts, max_positions, read_prompt_file
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.target)
+    tokenizer = load_tokenizer(cfg.target)
     head_layers = json.loads((head_dir / "config.json").read_text()).get("feature_layers")
     target = TargetModel.from_pretrained(cfg.target, feature_layers=head_layers)
     heads = {"fresh": (Eagle3DraftModel.from_pretrained(head_dir, target=target), target)}

@@ -147,12 +147,13 @@ class TargetModel:
         feature_layers: Sequence[int] | None = None,
         **kwargs,
     ) -> TargetModel:
-        """Load a hub id or a local folder with ``AutoModelForCausalLM`` (sdpa attention unless
-        ``attn_implementation`` is given in ``kwargs``, e.g. ``device_map``), in eval mode."""
-        from transformers import AutoModelForCausalLM
+        """Load a hub id, a local folder or a ``.gguf`` file (or a folder with ``gguf_file=NAME``) through
+        :func:`eagle_tree.models.gguf.load_causal_lm` (sdpa attention unless ``attn_implementation`` is
+        given in ``kwargs``, e.g. ``device_map``), in eval mode."""
+        from eagle_tree.models.gguf import load_causal_lm
 
         kwargs.setdefault("attn_implementation", "sdpa")
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **kwargs)
+        model = load_causal_lm(name_or_path, dtype=dtype, **kwargs)
         return cls(model.eval(), feature_layers=feature_layers)
 
     @property

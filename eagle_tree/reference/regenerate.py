@@ -188,10 +188,10 @@ def regenerate(cfg: RegenerateConfig, model=None, tokenizer=None, progress: bool
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if model is None or tokenizer is None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from eagle_tree.models.gguf import load_causal_lm, load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(cfg.target)
-        model = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=getattr(torch, cfg.dtype)).eval()
+        tokenizer = load_tokenizer(cfg.target)
+        model = load_causal_lm(cfg.target, dtype=getattr(torch, cfg.dtype))
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")
     jobs = make_jobs(read_rows(cfg.data, cfg.limit, cfg.chunk_chars, cfg.every), tokenizer, cfg)

@@ -26,8 +26,7 @@ def _toy_assets(cfg: TrainConfig):
 
 def load_target(cfg: TrainConfig):
     """(TargetModel, tokenizer) for ``cfg.target`` ('toy' builds or reuses the toy target)."""
-    from transformers import AutoTokenizer
-
+    from eagle_tree.models.gguf import load_tokenizer
     from eagle_tree.models.target import TargetModel
     from eagle_tree.utils.checks import check_target_path
 
@@ -39,7 +38,7 @@ def load_target(cfg: TrainConfig):
                                          attn_implementation=cfg.target.attn_implementation)
     for p in target.model.parameters():
         p.requires_grad_(False)
-    return target, AutoTokenizer.from_pretrained(path)
+    return target, load_tokenizer(path)
 
 
 def resolve_data(cfg: TrainConfig) -> DataConfig:

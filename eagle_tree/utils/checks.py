@@ -82,9 +82,11 @@ def check_target_path(target: str, key: str = "target") -> None:
     """Refuse a ``target`` that is neither a model folder nor a hub id before Hugging Face tries it:
     a path that does not exist, a file, or a draft head's folder."""
     path = Path(target).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return  # a GGUF file: eagle_tree.models.gguf reads it and names what is wrong with it
     if path.is_file():
-        raise InputError(f"{key}={target} is a file; expected a model folder (config.json, weights, tokenizer) "
-                         "or a hub id such as meta-llama/Llama-3.1-8B-Instruct")
+        raise InputError(f"{key}={target} is a file; expected a model folder (config.json, weights, tokenizer), "
+                         "a .gguf file or a hub id such as meta-llama/Llama-3.1-8B-Instruct")
     if path.is_dir():
         config = path / "config.json"
         if not config.is_file():

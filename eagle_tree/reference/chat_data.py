@@ -1,0 +1,318 @@
+"""Chat training data made by the target alone: Magpie prompts, the target's own replies, two turns.
+
+No dataset hub is needed. For a chat model, the text a head must predict is the model's own replies
+to the questions users ask; both can be drawn from the model:
+
+1. **Prompts (Magpie).** The chat template is rendered up to the start of a user turn (the system
+   prompt, then ``<|im_start|>user\\n`` for ChatML) and the model samples what follows, up to its
+   end-of-turn token: a question of the kind its instruction data held. Samples that run past
+   ``max_prompt_tokens`` without ending, are shorter than ``min_prompt_chars``, hold a role marker, or
+   repeat an earlier prompt (case and spacing ignored) are dropped.
+2. **Replies.** The target answers each kept prompt, greedy in even batches and sampled at
+   ``reply_temperature`` in odd ones (EAGLE-3 and SpecForge regenerate replies with the target so
+   that training sees the states decoding will visit).
+3. **A second turn.** The template is rendered through the first reply and a user turn opened again,
+   so the model writes a follow-up question and then answers it: training sees contexts as long as
+   MT-bench's second turn.
+
+Batch ``b`` draws from seeds derived from ``(seed, b, stage)``, so a run is repeatable. Finished
+batches are appended to ``OUTPUT/rows.partial.jsonl`` with a marker line; a rerun of the same settings
+resumes after the last marker, and a rerun with a larger ``conversations`` extends the file. When the
+count or ``max_minutes`` is reached, the rows are split by a hash of their first prompt into
+``train.jsonl``, ``tuning.jsonl`` and ``test.jsonl`` (conversations), ``tuning_prompts.jsonl`` and
+``test_prompts.jsonl`` (first-turn prompts rendered with the chat template, for ``decode`` and
+``bench``), and ``stats.json`` (counts, tokens, seconds).
+
+    eagle-tree chat-data --config configs/chat-data-smollm2.yaml target=$(eagle-tree reference smollm2 | tail -1)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from eagle_tree.utils.atomic import write_text
+from eagle_tree.utils.checks import check_range
+
+MARKER = "_batch_done"
+SENTINEL = "\x00EAGLE_TREE_TURN\x00"
+ROLE_MARKERS = re.compile(r"<\|im_(start|end)\|>|^(user|assistant|system)\s*:", re.IGNORECASE | re.MULTILINE)
+SPLITS = ("train", "tuning", "test")
+
+
+@dataclass
+class ChatDataConfig:
+    """Synthesise chat conversations with the target (Magpie prompts, the target's own replies)."""
+
+    target: str = ""
+    """Target: a chat model folder, hub id or .gguf file, e.g. $(eagle-tree reference smollm2 | tail -1)."""
+    output: str = "runs/chat-data"
+    """Folder to write (rows.partial.jsonl while running; train/tuning/test files at the end)."""
+    conversations: int = 1024
+    """Conversations to build (the run stops earlier at max_minutes; rerun to continue)."""
+    turns: int = 2
+    """User / assistant turn pairs per conversation (1 or 2)."""
+    batch_size: int = 32
+    """Conversations generated together (left padding)."""
+    max_prompt_tokens: int = 96
+    """A sampled user turn that has not ended within this many tokens is dropped."""
+    min_prompt_chars: int = 12
+    """Shorter user turns are dropped."""
+    prompt_temperature: float = 1.0
+    """Sampling temperature of the user turns (Magpie)."""
+    prompt_top_p: float = 0.95
+    """Nucleus of the user-turn sampling."""
+    max_reply_tokens: int = 256
+    """Tokens per assistant reply at most (MT-bench decodes 256)."""
+    reply_temperature: float = 1.0
+    """Temperature of the sampled replies (odd batches); even batches reply greedily."""
+    reply_top_p: float = 1.0
+    """Nucleus of the sampled replies."""
+    tuning_fraction: float = 0.04
+    """Share of conversations kept for tuning (by a hash of the first prompt)."""
+    test_fraction: float = 0.04
+    """Share of conversations kept for testing."""
+    seed: int = 0
+    """Base seed; batch b, stage s draw from a seed derived from (seed, b, s)."""
+    max_minutes: float | None = None
+    """Stop after the batch that passes this wall time (the files are written from what is done)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Precision of the target."""
+    threads: int | None = None
+    """torch CPU threads (None: torch's default)."""
+    progress: bool = True
+    """Show a progress bar."""
+
+    def __post_init__(self) -> None:
+        check_range("conversations", self.conversations, 1)
+        check_range("batch_size", self.batch_size, 1)
+        check_range("max_prompt_tokens", self.max_prompt_tokens, 4)
+        check_range("max_reply_tokens", self.max_reply_tokens, 1)
+        if self.turns not in (1, 2):
+            from eagle_tree.utils.config import ConfigValueError
+
+            raise ConfigValueError("turns", f"must be 1 or 2, got {self.turns!r}")
+        for name in ("prompt_temperature", "reply_temperature", "tuning_fraction", "test_fraction"):
+            check_range(name, getattr(self, name), 0.0, integer=False)
+        if self.tuning_fraction + self.test_fraction >= 1:
+            from eagle_tree.utils.config import ConfigValueError
+
+            raise ConfigValueError("tuning_fraction", "plus test_fraction must be below 1")
+
+
+def turn_prefix(tokenizer, messages: list[dict]) -> str:
+    """The chat template rendered through ``messages`` and up to the content of a new user turn."""
+    text = tokenizer.apply_chat_template([*messages, {"role": "user", "content": SENTINEL}], tokenize=False)
+    if SENTINEL not in text:
+        raise ValueError("the chat template does not render the user's content verbatim; Magpie prompts need it")
+    return text[: text.index(SENTINEL)]
+
+
+def reply_prompt(tokenizer, messages: list[dict]) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def normalise(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def split_of(prompt: str, tuning: float, test: float) -> str:
+    """``train``, ``tuning`` or ``test`` by a hash of the first prompt (stable across runs and machines)."""
+    u = int(hashlib.sha256(normalise(prompt).encode()).hexdigest()[:12], 16) / 16**12
+    return "tuning" if u < tuning else "test" if u < tuning + test else "train"
+
+
+def stage_seed(seed: int, batch: int, stage: int) -> int:
+    return int(hashlib.sha256(f"{seed}/{batch}/{stage}".encode()).hexdigest()[:8], 16)
+
+
+@torch.no_grad()
+def sample(model, tokenizer, texts: list[str], max_new_tokens: int, temperature: float, top_p: float,
+           seed: int) -> list[tuple[list[int], bool]]:
+    """For each text (rendered with its special tokens, no BOS added), the new ids up to the end-of-turn
+    token and whether it was reached; one left-padded ``generate`` call."""
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):] = torch.tensor(p)
+        mask[r, width - len(p):] = 1
+    kwargs = (dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0
+              else dict(do_sample=False))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad,
+                             eos_token_id=eos, **kwargs)
+    result = []
+    for row in out[:, width:].tolist():
+        ended = eos in row
+        result.append((row[: row.index(eos)] if ended else row, ended))
+    return result
+
+
+def usable_prompt(text: str, ended: bool, cfg: ChatDataConfig) -> bool:
+    return ended and len(text.strip()) >= cfg.min_prompt_chars and not ROLE_MARKERS.search(text)
+
+
+def build_batch(model, tokenizer, cfg: ChatDataConfig, b: int, seen: set[str]) -> tuple[list[dict], dict]:
+    """One batch of conversations (maybe fewer than ``batch_size`` after filtering) and its counts."""
+    t0 = time.perf_counter()
+    first = turn_prefix(tokenizer, [])
+    asked = sample(model, tokenizer, [first] * cfg.batch_size, cfg.max_prompt_tokens, cfg.prompt_temperature,
+                   cfg.prompt_top_p, stage_seed(cfg.seed, b, 0))
+    convs, dropped = [], {"unfinished": 0, "short_or_marked": 0, "duplicate": 0}
+    for ids, ended in asked:
+        text = tokenizer.decode(ids, skip_special_tokens=True).strip()
+        if not ended:
+            dropped["unfinished"] += 1
+        elif not usable_prompt(text, ended, cfg):
+            dropped["short_or_marked"] += 1
+        elif normalise(text) in seen:
+            dropped["duplicate"] += 1
+        else:
+            seen.add(normalise(text))
+            convs.append([{"role": "user", "content": text}])
+    temperature = 0.0 if b % 2 == 0 else cfg.reply_temperature
+    tokens = {"prompt": sum(len(i) for i, _ in asked), "reply": 0}
+    ended_replies = 0
+    for turn in range(cfg.turns):
+        if not convs:
+            break
+        if turn > 0:
+            follow = sample(model, tokenizer, [turn_prefix(tokenizer, c) for c in convs], cfg.max_prompt_tokens,
+                            cfg.prompt_temperature, cfg.prompt_top_p, stage_seed(cfg.seed, b, 2 * turn))
+            tokens["prompt"] += sum(len(i) for i, _ in follow)
+            kept = []
+            for c, (ids, ended) in zip(convs, follow, strict=True):
+                text = tokenizer.decode(ids, skip_special_tokens=True).strip()
+                if usable_prompt(text, ended, cfg):
+                    c.append({"role": "user", "content": text})
+                    kept.append(c)
+                else:
+                    kept.append(c)  # the conversation keeps its first turn only
+            convs = kept
+        open_convs = [c for c in convs if c[-1]["role"] == "user"]
+        if not open_convs:
+            break
+        replies = sample(model, tokenizer, [reply_prompt(tokenizer, c) for c in open_convs], cfg.max_reply_tokens,
+                         temperature, cfg.reply_top_p, stage_seed(cfg.seed, b, 2 * turn + 1))
+        for c, (ids, ended) in zip(open_convs, replies, strict=True):
+            c.append({"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)})
+            tokens["reply"] += len(ids)
+            ended_replies += int(ended)
+    rows = [{"conversations": c, "reply_temperature": temperature, "batch": b,
+             "split": split_of(c[0]["content"], cfg.tuning_fraction, cfg.test_fraction)} for c in convs]
+    stats = {"batch": b, "rows": len(rows), "dropped": dropped, "tokens": tokens, "replies_ended": ended_replies,
+             "seconds": round(time.perf_counter() - t0, 2)}
+    return rows, stats
+
+
+def fingerprint(cfg: ChatDataConfig, tokenizer) -> str:
+    """What the rows depend on: every setting except the run's size, time budget, threads and output."""
+    settings = {k: v for k, v in asdict(cfg).items()
+                if k not in ("output", "conversations", "max_minutes", "threads", "progress", "target")}
+    h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+    h.update(turn_prefix(tokenizer, []).encode())
+    return h.hexdigest()[:16]
+
+
+def read_partial(partial: Path, fp: str) -> tuple[list[dict], list[dict]]:
+    """Rows and batch stats of finished batches; a torn tail after the last marker is cut."""
+    if not partial.is_file():
+        return [], []
+    lines = partial.read_text().splitlines(keepends=True)
+    last = max((i for i, line in enumerate(lines) if line.startswith(f'{{"{MARKER}"')), default=-1)
+    if last + 1 != len(lines):
+        write_text(partial, "".join(lines[: last + 1]))
+    rows, stats = [], []
+    for line in lines[: last + 1]:
+        obj = json.loads(line)
+        if MARKER in obj:
+            if obj.get("fingerprint") != fp:
+                raise ValueError(f"{partial} was written with other settings (fingerprint {obj.get('fingerprint')}, "
+                                 f"these give {fp}); rerun with those settings, or use another output folder")
+            stats.append(obj["stats"])
+        else:
+            rows.append(obj)
+    return rows, stats
+
+
+def load_target(cfg: ChatDataConfig):
+    from eagle_tree.models.gguf import load_causal_lm, load_tokenizer
+
+    if not cfg.target:
+        raise ValueError("target= is required: a chat model folder, "
+                         "e.g. target=$(eagle-tree reference smollm2 | tail -1)")
+    tokenizer = load_tokenizer(cfg.target)
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(f"target={cfg.target}: its tokenizer has no chat_template; chat data needs a chat model")
+    model = load_causal_lm(cfg.target, dtype=getattr(torch, cfg.dtype))
+    return model, tokenizer
+
+
+def build_chat_data(cfg: ChatDataConfig, model=None, tokenizer=None) -> dict:
+    """Run (or resume) the job; returns the summary written to ``stats.json``."""
+    from tqdm.auto import tqdm
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if model is None or tokenizer is None:
+        model, tokenizer = load_target(cfg)
+    out = Path(cfg.output)
+    out.mkdir(parents=True, exist_ok=True)
+    partial = out / "rows.partial.jsonl"
+    fp = fingerprint(cfg, tokenizer)
+    rows, stats = read_partial(partial, fp)
+    seen = {normalise(r["conversations"][0]["content"]) for r in rows}
+    start = time.perf_counter()
+    b = len(stats)
+    bar = tqdm(total=cfg.conversations, initial=min(len(rows), cfg.conversations), desc="chat-data", unit="conv",
+               disable=not cfg.progress, dynamic_ncols=True, mininterval=2.0)
+    with open(partial, "a") as f:
+        while len(rows) < cfg.conversations:
+            if cfg.max_minutes is not None and time.perf_counter() - start > 60 * cfg.max_minutes:
+                break
+            new, st = build_batch(model, tokenizer, cfg, b, seen)
+            f.write("".join(json.dumps(r) + "\n" for r in new))
+            f.write(json.dumps({MARKER: b, "fingerprint": fp, "stats": st}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+            rows += new
+            stats.append(st)
+            bar.update(min(len(new), max(0, cfg.conversations - bar.n)))
+            b += 1
+    bar.close()
+    return write_splits(out, rows, stats, tokenizer, cfg)
+
+
+def write_splits(out: Path, rows: list[dict], stats: list[dict], tokenizer, cfg: ChatDataConfig) -> dict:
+    by_split = {s: [r for r in rows if r["split"] == s] for s in SPLITS}
+    for s, part in by_split.items():
+        write_text(out / f"{s}.jsonl", "".join(json.dumps(r) + "\n" for r in part))
+    for s in ("tuning", "test"):
+        lines = [json.dumps({"id": f"{s}-{i:03d}", "prompt": reply_prompt(tokenizer, r["conversations"][:1]),
+                             "messages": r["conversations"][:1]}) for i, r in enumerate(by_split[s])]
+        write_text(out / f"{s}_prompts.jsonl", "".join(line + "\n" for line in lines))
+    reply_tokens = sum(st["tokens"]["reply"] for st in stats)
+    summary = {
+        "conversations": len(rows), "by_split": {s: len(p) for s, p in by_split.items()},
+        "two_turn": sum(1 for r in rows if sum(m["role"] == "assistant" for m in r["conversations"]) == 2),
+        "batches": len(stats), "generated_prompt_tokens": sum(st["tokens"]["prompt"] for st in stats),
+        "generated_reply_tokens": reply_tokens,
+        "replies_ended": sum(st["replies_ended"] for st in stats),
+        "dropped": {k: sum(st["dropped"][k] for st in stats) for k in stats[0]["dropped"]} if stats else {},
+        "seconds": round(sum(st["seconds"] for st in stats), 1), "settings": asdict(cfg),
+    }
+    write_text(out / "stats.json", json.dumps(summary, indent=2) + "\n")
+    return summary
