@@ -69,6 +69,12 @@ class MTPrompt:
     category: str
     turn: int
 
+    def as_prompt(self):
+        """The prompt-file form every encoder reads (eagle_tree.utils.prompts.Prompt)."""
+        from eagle_tree.utils.prompts import Prompt
+
+        return Prompt(self.text, self.where)
+
 
 def locate_questions(path: str | None = None) -> Path:
     if path is not None:
@@ -284,7 +290,8 @@ def sample_run(target_folder: str, head: str, questions_per_category: int = 1, c
         raise InputError(f"no MT-bench question in the categories {categories}; known: {', '.join(CATEGORIES)}")
     prompts = [MTPrompt(render(tokenizer, [{"role": "user", "content": q.turns[0]}]), f"mtbench:{q.question_id}",
                         q.question_id, q.category, 1) for q in questions]
-    ids = encode_prompts(tokenizer, prompts, vocab_size=target.vocab_size, max_positions=max_positions(target.config),
+    ids = encode_prompts(tokenizer, [p.as_prompt() for p in prompts], vocab_size=target.vocab_size,
+                         max_positions=max_positions(target.config),
                          max_new_tokens=max_new_tokens)
     models = BenchModels(target, tokenizer, head=draft)
     greedy = SamplingConfig(temperature=0.0)

@@ -296,7 +296,8 @@ def run(cfg: BenchConfig) -> int:
         if shared:
             raise InputError(f"{len(shared)} tuning prompt(s) of {cfg.tuning_prompts} are MT-bench turns: tune on "
                              "other prompts than the ones reported")
-        test_ids = encode(test_prompts, models.target, models.tokenizer, cfg.max_new_tokens, cfg.truncate_prompts)
+        test_ids = encode([p.as_prompt() for p in test_prompts], models.target, models.tokenizer, cfg.max_new_tokens,
+                          cfg.truncate_prompts)
     common = dict(max_new_tokens=cfg.max_new_tokens, sampling=cfg.sampling, seed=cfg.seed, warmup=cfg.warmup,
                   eos_token_id=models.tokenizer.eos_token_id if cfg.stop_at_eos else None,
                   log=print if cfg.verbose else None)
