@@ -7,6 +7,7 @@ import pytest
 from eagle_tree.commands.bench import BenchConfig
 from eagle_tree.commands.bench_serving import ServingBenchConfig
 from eagle_tree.commands.decode import DecodeConfig
+from eagle_tree.reference.chat_data import ChatDataConfig
 from eagle_tree.training.config import TrainConfig
 from eagle_tree.training.study import StudyConfig
 from eagle_tree.utils.config import ConfigError, load_config
@@ -14,7 +15,7 @@ from eagle_tree.utils.config import ConfigError, load_config
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 SCHEMAS = {"bench-serving": ServingBenchConfig,  # before "bench-": the first matching prefix decides
            "bench-": BenchConfig, "decode-": DecodeConfig, "train-": TrainConfig, "smoke": TrainConfig,
-           "study-": StudyConfig}
+           "study-": StudyConfig, "chat-data-": ChatDataConfig}
 
 
 def schema_for(path: Path):

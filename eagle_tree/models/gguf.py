@@ -202,6 +202,12 @@ def convert_gguf(file: str | os.PathLike, out_dir: str | os.PathLike, dtype: tor
     return out_dir
 
 
+def _local(name_or_path: str | os.PathLike) -> str:
+    """``~/...`` paths expanded (configs name the converted reference folder that way); hub ids unchanged."""
+    text = str(name_or_path)
+    return os.path.expanduser(text) if text.startswith("~") else text
+
+
 def is_gguf(name_or_path: str | os.PathLike, gguf_file: str | None = None) -> bool:
     return gguf_file is not None or str(name_or_path).endswith(".gguf")
 
@@ -210,6 +216,7 @@ def load_causal_lm(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.f
                    gguf_file: str | None = None, **kwargs):
     """The one loader of target models: a ``.gguf`` file (or a folder with ``gguf_file=``) is
     dequantised here; anything else goes to ``AutoModelForCausalLM.from_pretrained``. Eval mode."""
+    name_or_path = _local(name_or_path)
     if is_gguf(name_or_path, gguf_file):
         return load_gguf_model(name_or_path, gguf_file, dtype=dtype, **kwargs)
     from transformers import AutoModelForCausalLM
@@ -219,6 +226,7 @@ def load_causal_lm(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.f
 
 def load_tokenizer(name_or_path: str | os.PathLike, gguf_file: str | None = None):
     """The tokenizer that goes with :func:`load_causal_lm`'s model."""
+    name_or_path = _local(name_or_path)
     if is_gguf(name_or_path, gguf_file):
         return load_gguf_tokenizer(name_or_path, gguf_file)
     from transformers import AutoTokenizer
