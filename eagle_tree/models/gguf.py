@@ -86,6 +86,7 @@ def load_gguf_model(path: str | os.PathLike, gguf_file: str | None = None, dtype
 
     require_gguf()
     folder, name = _split(path, gguf_file)
+    gguf_metadata(folder / name)  # a readable file, or a GGUFError naming it (transformers' errors name no file)
     model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name, dtype=dtype, **kwargs)
     _drop_quantization(model)
     return model.eval()
@@ -112,8 +113,8 @@ def load_gguf_tokenizer(path: str | os.PathLike, gguf_file: str | None = None):
     from transformers import AutoTokenizer
 
     folder, name = _split(path, gguf_file)
+    meta = gguf_metadata(folder / name)  # first: needs gguf and a readable file (transformers' errors name neither)
     tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=name)
-    meta = gguf_metadata(folder / name)
     for role in ("bos", "eos", "padding", "unknown"):
         key = f"tokenizer.ggml.{role}_token_id"
         if key not in meta:

@@ -46,6 +46,7 @@ MARKER = "_batch_done"
 SENTINEL = "\x00EAGLE_TREE_TURN\x00"
 ROLE_MARKERS = re.compile(r"<\|im_(start|end)\|>|^(user|assistant|system)\s*:", re.IGNORECASE | re.MULTILINE)
 SPLITS = ("train", "tuning", "test")
+EMPTY_BATCHES = 3  # batches in a row without a usable conversation before the run is refused
 
 
 @dataclass
@@ -276,7 +277,7 @@ def build_chat_data(cfg: ChatDataConfig, model=None, tokenizer=None) -> dict:
     rows, stats = read_partial(partial, fp)
     seen = {normalise(r["conversations"][0]["content"]) for r in rows}
     start = time.perf_counter()
-    b = len(stats)
+    b, empty = len(stats), 0
     bar = tqdm(total=cfg.conversations, initial=min(len(rows), cfg.conversations), desc="chat-data", unit="conv",
                disable=not cfg.progress, dynamic_ncols=True, mininterval=2.0)
     with open(partial, "a") as f:
@@ -284,6 +285,12 @@ def build_chat_data(cfg: ChatDataConfig, model=None, tokenizer=None) -> dict:
             if cfg.max_minutes is not None and time.perf_counter() - start > 60 * cfg.max_minutes:
                 break
             new, st = build_batch(model, tokenizer, cfg, b, seen)
+            empty = 0 if new else empty + 1
+            if empty >= EMPTY_BATCHES:
+                raise ValueError(f"{EMPTY_BATCHES} batches in a row gave no usable conversation "
+                                 f"(dropped: {st['dropped']}): the model never ended a user turn with its eos token "
+                                 f"{tokenizer.eos_token_id!r} "
+                                 f"within max_prompt_tokens={cfg.max_prompt_tokens}; is it a chat model with that eos?")
             f.write("".join(json.dumps(r) + "\n" for r in new))
             f.write(json.dumps({MARKER: b, "fingerprint": fp, "stats": st}) + "\n")
             f.flush()

@@ -1,0 +1,360 @@
+"""Chat data made by the target (eagle_tree.reference.chat_data) and its loss masks, on the tiny GGUF chat model.
+
+The tokenizer is the tiny file's (tests/tiny_gguf.py): ChatML with SmolLM2's default system prompt, so
+the Magpie prefix, the golden loss spans and the split files are those of the SmolLM2 recipe.
+
+A random tiny model almost never samples ``<|im_end|>`` (0.3 % a step), so a Magpie prompt would
+never end. The fixture ``ending_questions`` gives the real model, under the real ``sample``, an EOS
+logit raised by ``EOS_BIAS`` while a user turn is sampled (about 22 % a step: questions of a few
+tokens), and none while it replies; everything else (seeds, batches, filters, files) is the code's.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+
+import eagle_tree.reference.chat_data as chat_data
+from eagle_tree.cli import main as cli_main
+from eagle_tree.models.gguf import load_causal_lm, load_tokenizer
+from eagle_tree.reference.chat_data import (
+    MARKER,
+    SPLITS,
+    ChatDataConfig,
+    build_chat_data,
+    fingerprint,
+    load_target,
+    reply_prompt,
+    sample,
+    split_of,
+    turn_prefix,
+    usable_prompt,
+)
+from eagle_tree.training.data import encode_conversation
+from tests.tiny_gguf import SYSTEM_PROMPT, write_tiny_gguf
+
+SYSTEM = f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n"
+USER_HEADER = "<|im_start|>user\n"
+EOS_BIAS = 5.0
+CONVERSATION = [
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "The capital of France is Paris."},
+    {"role": "user", "content": "Tell me a joke."},
+    {"role": "assistant", "content": "Why did the cloud stay home?"},
+]
+FILES = ["train.jsonl", "tuning.jsonl", "test.jsonl", "tuning_prompts.jsonl", "test_prompts.jsonl", "stats.json"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny):
+    return load_tokenizer(tiny.path)
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    return load_causal_lm(tiny.path)
+
+
+@pytest.fixture(scope="module")
+def ending_questions(model, tokenizer):
+    """(model, tokenizer) whose sampled user turns end after a few tokens (the module docstring)."""
+    state = {"user_turn": False}
+
+    def raise_eos(module, args, logits):
+        if state["user_turn"]:
+            logits = logits.clone()
+            logits[..., tokenizer.eos_token_id] += EOS_BIAS
+            return logits
+        return None
+
+    real_sample = chat_data.sample
+
+    def sample_turn(model, tokenizer, texts, *args, **kwargs):
+        state["user_turn"] = all(t.endswith(USER_HEADER) for t in texts)
+        try:
+            return real_sample(model, tokenizer, texts, *args, **kwargs)
+        finally:
+            state["user_turn"] = False
+
+    handle = model.lm_head.register_forward_hook(raise_eos)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(chat_data, "sample", sample_turn)
+        yield model, tokenizer
+    handle.remove()
+
+
+def _cfg(tiny, out, **kw) -> ChatDataConfig:
+    base = dict(target=str(tiny.path), output=str(out), conversations=6, batch_size=3, max_prompt_tokens=8,
+                min_prompt_chars=1, max_reply_tokens=8, tuning_fraction=0.25, test_fraction=0.25, progress=False)
+    return ChatDataConfig(**{**base, **kw})
+
+
+def _rows(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "rows.partial.jsonl").read_text().splitlines()
+            if not line.startswith(f'{{"{MARKER}"')]
+
+
+def _outputs(out) -> dict[str, str]:
+    """The split files, and stats.json without its timings."""
+    files = {name: (out / name).read_text() for name in FILES[:-1]}
+    stats = json.loads((out / "stats.json").read_text())
+    stats.pop("seconds")
+    stats["settings"].pop("output")
+    return {**files, "stats.json": json.dumps(stats, sort_keys=True)}
+
+
+# ----------------------------------------------------------------------------- templates, masks
+
+
+def test_turn_prefix_renders_the_system_prompt_and_opens_a_user_turn(tokenizer):
+    assert turn_prefix(tokenizer, []) == SYSTEM + USER_HEADER
+    assert turn_prefix(tokenizer, CONVERSATION[:2]) == (
+        SYSTEM + USER_HEADER + "What is the capital of France?<|im_end|>\n"
+        "<|im_start|>assistant\nThe capital of France is Paris.<|im_end|>\n" + USER_HEADER)
+    assert reply_prompt(tokenizer, CONVERSATION[:1]) == (
+        SYSTEM + USER_HEADER + "What is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    ids = tokenizer(turn_prefix(tokenizer, []), add_special_tokens=False)["input_ids"]
+    assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>") and ids.count(2) == 1  # specials whole
+
+
+def test_turn_prefix_refuses_a_template_that_rewrites_the_content(tokenizer):
+    lowered = copy.deepcopy(tokenizer)
+    lowered.chat_template = tokenizer.chat_template.replace("message['content']", "message['content'] | lower")
+    with pytest.raises(ValueError, match="verbatim"):
+        turn_prefix(lowered, [])
+
+
+def _masked_runs(example, tokenizer) -> list[str]:
+    runs, cur = [], []
+    for i, m in zip(example["input_ids"], example["loss_mask"], strict=True):
+        if m:
+            cur.append(i)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    return [tokenizer.decode(r) for r in runs]
+
+
+def test_golden_loss_spans_are_the_replies_and_their_end_of_turn(tokenizer):
+    """training/data.py's rule: the loss covers what the template writes after the assistant header,
+    i.e. the reply and its <|im_end|>; not the header, not the "\\n" between turns, not the system prompt."""
+    ex = encode_conversation(CONVERSATION, tokenizer)
+    assert tokenizer.decode(ex["input_ids"]) == tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
+    assert _masked_runs(ex, tokenizer) == ["The capital of France is Paris.<|im_end|>",
+                                          "Why did the cloud stay home?<|im_end|>"]
+    tokens = tokenizer.convert_ids_to_tokens(ex["input_ids"])
+    masked = [t for t, m in zip(tokens, ex["loss_mask"], strict=True) if m]
+    assert masked[:2] == ["The", "Ġcapital"] and masked.count("<|im_end|>") == 2
+    assert tokens[-1] == "Ċ" and ex["loss_mask"][-1] == 0  # the newline after the last <|im_end|>
+    first = ex["loss_mask"].index(1)
+    assert tokenizer.decode(ex["input_ids"][:first]) == reply_prompt(tokenizer, CONVERSATION[:1])
+    assert sum(ex["loss_mask"]) == len(tokenizer(
+        "The capital of France is Paris.<|im_end|>Why did the cloud stay home?<|im_end|>")["input_ids"])
+
+
+# ----------------------------------------------------------------------------- pure helpers
+
+
+def test_split_of_is_a_stable_hash_with_the_given_fractions():
+    prompts = [f"Question number {i}: how do I sort a list?" for i in range(4000)]
+    splits = [split_of(p, 0.1, 0.05) for p in prompts]
+    assert splits == [split_of(p, 0.1, 0.05) for p in prompts]
+    assert split_of("How do  I sort A list?", 0.1, 0.05) == split_of("how do i sort a list?", 0.1, 0.05)
+    share = {s: splits.count(s) / len(prompts) for s in SPLITS}
+    assert abs(share["tuning"] - 0.1) < 0.02 and abs(share["test"] - 0.05) < 0.015
+    assert {split_of(p, 0.0, 0.0) for p in prompts[:200]} == {"train"}
+    # nested: a larger tuning share only moves rows out of train and test into tuning
+    wider = [split_of(p, 0.2, 0.05) for p in prompts]
+    assert all(w == "tuning" for s, w in zip(splits, wider, strict=True) if s == "tuning")
+
+
+def test_usable_prompt_drops_unfinished_short_and_marked_turns(tiny):
+    cfg = ChatDataConfig(min_prompt_chars=5)
+    assert usable_prompt("How are you?", True, cfg)
+    assert not usable_prompt("How are you?", False, cfg)  # did not reach the end-of-turn token
+    assert not usable_prompt("  Hi  ", True, cfg)
+    assert not usable_prompt("Hello <|im_start|>assistant", True, cfg)
+    assert not usable_prompt("Fine.\nAssistant: sure", True, cfg)
+
+
+def test_fingerprint_ignores_size_time_and_paths_only(tiny, tokenizer, tmp_path):
+    cfg = _cfg(tiny, tmp_path)
+    fp = fingerprint(cfg, tokenizer)
+    assert fp == fingerprint(replace(cfg, conversations=99, output="elsewhere", max_minutes=1.0, threads=1,
+                                     progress=True, target="other"), tokenizer)
+    for change in (dict(seed=1), dict(batch_size=4), dict(max_reply_tokens=9), dict(reply_temperature=0.5)):
+        assert fingerprint(replace(cfg, **change), tokenizer) != fp, change
+
+
+def test_sample_cuts_at_the_end_of_turn_and_is_seeded(ending_questions):
+    model, tokenizer = ending_questions
+    texts = [turn_prefix(tokenizer, []), turn_prefix(tokenizer, CONVERSATION[:2])] * 6  # left padding
+    out = chat_data.sample(model, tokenizer, texts, 3, 1.0, 0.95, seed=3)
+    assert out == chat_data.sample(model, tokenizer, texts, 3, 1.0, 0.95, seed=3)
+    assert out != chat_data.sample(model, tokenizer, texts, 3, 1.0, 0.95, seed=4)
+    assert len(out) == 12 and {ended for _, ended in out} == {True, False}  # about half end within 3 tokens
+    for ids, ended in out:
+        assert tokenizer.eos_token_id not in ids and (ended or len(ids) == 3)
+    reply = [reply_prompt(tokenizer, CONVERSATION[:1])]  # a reply: greedy, no bias, the seed plays no part
+    greedy = chat_data.sample(model, tokenizer, reply, 8, 0.0, 1.0, seed=0)
+    assert greedy == chat_data.sample(model, tokenizer, reply, 8, 0.0, 1.0, seed=1) == sample(
+        model, tokenizer, reply, 8, 0.0, 1.0, seed=2)
+
+
+# ----------------------------------------------------------------------------- build_chat_data
+
+
+@pytest.fixture(scope="module")
+def built_once(ending_questions, tiny, tmp_path_factory):
+    model, tokenizer = ending_questions
+    out = tmp_path_factory.mktemp("chat-data") / "run"
+    cfg = _cfg(tiny, out)
+    return cfg, build_chat_data(cfg, model, tokenizer)
+
+
+@pytest.fixture
+def built(built_once, tmp_path):
+    """A copy of one run of the small settings: (config, output folder, summary)."""
+    cfg, summary = built_once
+    out = tmp_path / "run"
+    shutil.copytree(cfg.output, out)
+    return replace(cfg, output=str(out)), out, summary
+
+
+def test_build_chat_data_writes_the_splits_and_stats(built, tokenizer):
+    cfg, out, summary = built
+    assert {p.name for p in out.iterdir()} == {"rows.partial.jsonl", *FILES}
+    rows = _rows(out)
+    assert summary["conversations"] == len(rows) >= 6 and summary["batches"] >= 2
+    assert json.loads((out / "stats.json").read_text()) == summary
+    assert summary["settings"]["conversations"] == 6 and summary["generated_reply_tokens"] > 0
+    by_split = {s: [json.loads(line) for line in (out / f"{s}.jsonl").read_text().splitlines()] for s in SPLITS}
+    assert summary["by_split"] == {s: len(r) for s, r in by_split.items()}
+    assert sorted(map(json.dumps, sum(by_split.values(), []))) == sorted(map(json.dumps, rows))
+    firsts = set()
+    for r in rows:
+        conv = r["conversations"]
+        assert len(conv) in (2, 4) and [m["role"] for m in conv] == ["user", "assistant"] * (len(conv) // 2)
+        assert all(isinstance(m["content"], str) and set(m) == {"role", "content"} for m in conv)
+        assert all(m["content"].strip() and not chat_data.ROLE_MARKERS.search(m["content"])
+                   for m in conv if m["role"] == "user")
+        assert r["split"] == split_of(conv[0]["content"], cfg.tuning_fraction, cfg.test_fraction)
+        assert r["reply_temperature"] == (0.0 if r["batch"] % 2 == 0 else cfg.reply_temperature)
+        firsts.add(chat_data.normalise(conv[0]["content"]))
+        assert any(encode_conversation(conv, tokenizer)["loss_mask"]) or not any(
+            m["content"] for m in conv if m["role"] == "assistant")
+    assert len(firsts) == len(rows)  # no repeated first prompt
+    assert summary["two_turn"] == sum(len(r["conversations"]) == 4 for r in rows)
+    for s in ("tuning", "test"):
+        lines = [json.loads(line) for line in (out / f"{s}_prompts.jsonl").read_text().splitlines()]
+        assert [p["id"] for p in lines] == [f"{s}-{i:03d}" for i in range(len(by_split[s]))]
+        for p, r in zip(lines, by_split[s], strict=True):
+            assert p["messages"] == r["conversations"][:1]
+            assert p["prompt"] == reply_prompt(tokenizer, p["messages"])
+            assert p["prompt"].startswith(SYSTEM) and p["prompt"].endswith("<|im_start|>assistant\n")
+
+
+def test_rerun_with_the_count_reached_adds_no_batch(built, ending_questions, monkeypatch):
+    cfg, out, summary = built
+    model, tokenizer = ending_questions
+    before, partial = _outputs(out), (out / "rows.partial.jsonl").read_text()
+    monkeypatch.setattr(chat_data, "build_batch", lambda *a, **k: pytest.fail("a batch was built"))
+    assert build_chat_data(cfg, model, tokenizer)["conversations"] == summary["conversations"]
+    assert (out / "rows.partial.jsonl").read_text() == partial and _outputs(out) == before
+
+
+def test_interrupted_run_resumes_to_the_same_rows(built, ending_questions, tmp_path, monkeypatch):
+    cfg, out, _ = built
+    model, tokenizer = ending_questions
+    lines = (out / "rows.partial.jsonl").read_text().splitlines(keepends=True)
+    markers = [i for i, line in enumerate(lines) if line.startswith(f'{{"{MARKER}"')]
+    # the first batch b >= 1 with a row to tear; batches before it are kept
+    b = next(b for b in range(1, len(markers)) if markers[b] - markers[b - 1] >= 2)
+    done, end = markers[b - 1] + 1, markers[b]
+    cuts = {"torn line": "".join(lines[:done]) + lines[done][: len(lines[done]) // 2],
+            "no marker": "".join(lines[:end])}
+    real_batch, built_batches = chat_data.build_batch, []
+
+    def counted(model, tokenizer, cfg, b, seen):
+        built_batches.append(b)
+        return real_batch(model, tokenizer, cfg, b, seen)
+
+    monkeypatch.setattr(chat_data, "build_batch", counted)
+    for name, text in cuts.items():
+        again = tmp_path / name.replace(" ", "-")
+        again.mkdir()
+        (again / "rows.partial.jsonl").write_text(text)
+        built_batches.clear()
+        build_chat_data(replace(cfg, output=str(again)), model, tokenizer)
+        assert built_batches == list(range(b, len(markers))), name  # finished batches kept, not rebuilt
+        assert _rows(again) == _rows(out), name
+        assert _outputs(again) == _outputs(out), name
+
+
+def test_larger_count_extends_the_file(built, ending_questions):
+    cfg, out, summary = built
+    model, tokenizer = ending_questions
+    rows = _rows(out)
+    bigger = build_chat_data(replace(cfg, conversations=summary["conversations"] + 2), model, tokenizer)
+    assert bigger["batches"] > summary["batches"] and _rows(out)[: len(rows)] == rows
+
+
+def test_other_settings_refuse_the_partial_file(built, ending_questions):
+    cfg, out, _ = built
+    model, tokenizer = ending_questions
+    partial = (out / "rows.partial.jsonl").read_text()
+    for change in (dict(seed=1), dict(max_reply_tokens=9)):
+        with pytest.raises(ValueError, match="was written with other settings") as info:
+            build_chat_data(replace(cfg, **change), model, tokenizer)
+        assert "use another output folder" in str(info.value)
+    assert (out / "rows.partial.jsonl").read_text() == partial
+
+
+# ----------------------------------------------------------------------------- the target
+
+
+def test_load_target_reads_a_gguf_chat_model(tiny, tmp_path):
+    model, tokenizer = load_target(_cfg(tiny, tmp_path))
+    assert model.config.vocab_size == tiny.vocab_size and not model.training and model.dtype == torch.float32
+    assert turn_prefix(tokenizer, []) == SYSTEM + USER_HEADER
+    with pytest.raises(ValueError, match="target= is required"):
+        load_target(_cfg(tiny, tmp_path, target=""))
+    plain = write_tiny_gguf(tmp_path / "plain.gguf", chat_template=None)
+    with pytest.raises(ValueError, match="no chat_template"):
+        load_target(_cfg(tiny, tmp_path, target=str(plain.path)))
+
+
+def test_cli_chat_data_with_no_time_writes_empty_splits(tiny, tmp_path, capsys):
+    out = tmp_path / "cli"
+    assert cli_main(["chat-data", f"target={tiny.path}", f"output={out}", "max_minutes=0", "progress=false"]) == 0
+    assert capsys.readouterr().out.startswith("[eagle-tree chat-data] 0 conversations")
+    assert json.loads((out / "stats.json").read_text())["conversations"] == 0
+    assert cli_main(["chat-data", f"output={out}"]) == 2  # no target
+
+
+def test_a_model_that_never_ends_a_user_turn_is_refused_not_looped(tiny, model, tokenizer, tmp_path, monkeypatch):
+    import eagle_tree.reference.chat_data as chat_data
+
+    calls = []
+
+    def never_ends(model, tokenizer, texts, max_new_tokens, *args):
+        calls.append(len(texts))
+        return [([5] * max_new_tokens, False) for _ in texts]
+
+    monkeypatch.setattr(chat_data, "sample", never_ends)
+    cfg = _cfg(tiny, tmp_path / "out", conversations=4)
+    with pytest.raises(ValueError, match=r"3 batches in a row gave no usable conversation.*eos token 2"):
+        chat_data.build_chat_data(cfg, model=model, tokenizer=tokenizer)
+    assert len(calls) == chat_data.EMPTY_BATCHES  # one prompt sampling per batch, then the refusal
