@@ -235,7 +235,7 @@ def built(built_once, tmp_path):
 
 def test_build_chat_data_writes_the_splits_and_stats(built, tokenizer):
     cfg, out, summary = built
-    assert {p.name for p in out.iterdir()} == {"rows.partial.jsonl", *FILES}
+    assert {p.name for p in out.iterdir()} == {"rows.partial.jsonl", ".eagle-tree-output.json", *FILES}
     rows = _rows(out)
     assert summary["conversations"] == len(rows) >= 6 and summary["batches"] >= 2
     assert json.loads((out / "stats.json").read_text()) == summary
@@ -358,3 +358,15 @@ def test_a_model_that_never_ends_a_user_turn_is_refused_not_looped(tiny, model, 
     with pytest.raises(ValueError, match=r"3 batches in a row gave no usable conversation.*eos token 2"):
         chat_data.build_chat_data(cfg, model=model, tokenizer=tokenizer)
     assert len(calls) == chat_data.EMPTY_BATCHES  # one prompt sampling per batch, then the refusal
+
+
+def test_a_folder_holding_files_chat_data_did_not_write_is_refused(tiny, model, tokenizer, tmp_path):
+    from eagle_tree.reference.chat_data import build_chat_data
+    from eagle_tree.utils.outputs import OutputPathError
+
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "train.jsonl").write_text('{"text": "my own data"}\n')
+    with pytest.raises(OutputPathError, match="train.jsonl"):
+        build_chat_data(_cfg(tiny, out, conversations=1), model=model, tokenizer=tokenizer)
+    assert (out / "train.jsonl").read_text() == '{"text": "my own data"}\n'

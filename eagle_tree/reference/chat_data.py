@@ -91,6 +91,8 @@ class ChatDataConfig:
     """torch CPU threads (None: torch's default)."""
     progress: bool = True
     """Show a progress bar."""
+    overwrite: bool = False
+    """Write into `output` even when it holds files of these names that chat-data did not write."""
 
     def __post_init__(self) -> None:
         check_range("conversations", self.conversations, 1)
@@ -222,10 +224,21 @@ def build_batch(model, tokenizer, cfg: ChatDataConfig, b: int, seen: set[str]) -
 def fingerprint(cfg: ChatDataConfig, tokenizer) -> str:
     """What the rows depend on: every setting except the run's size, time budget, threads and output."""
     settings = {k: v for k, v in asdict(cfg).items()
-                if k not in ("output", "conversations", "max_minutes", "threads", "progress", "target")}
+                if k not in ("output", "conversations", "max_minutes", "threads", "progress", "target", "overwrite")}
     h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
     h.update(turn_prefix(tokenizer, []).encode())
     return h.hexdigest()[:16]
+
+
+KIND = "eagle-tree chat-data"
+OUTPUT_FILES = ("rows.partial.jsonl", "stats.json", *(f"{s}.jsonl" for s in SPLITS), "tuning_prompts.jsonl",
+                "test_prompts.jsonl")
+
+
+def _is_partial_run(folder: Path) -> bool:
+    """A chat-data folder written before folders were marked: its rows file ends batches with markers."""
+    partial = folder / "rows.partial.jsonl"
+    return partial.is_file() and f'"{MARKER}"' in partial.read_text()
 
 
 def read_partial(partial: Path, fp: str) -> tuple[list[dict], list[dict]]:
@@ -266,12 +279,16 @@ def build_chat_data(cfg: ChatDataConfig, model=None, tokenizer=None) -> dict:
     """Run (or resume) the job; returns the summary written to ``stats.json``."""
     from tqdm.auto import tqdm
 
+    from eagle_tree.utils.outputs import check_output_dir, mark_output_dir
+
+    out = Path(cfg.output)
+    check_output_dir(out, KIND, writes=OUTPUT_FILES, overwrite=cfg.overwrite, recognise=_is_partial_run)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if model is None or tokenizer is None:
         model, tokenizer = load_target(cfg)
-    out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
+    mark_output_dir(out, KIND)
     partial = out / "rows.partial.jsonl"
     fp = fingerprint(cfg, tokenizer)
     rows, stats = read_partial(partial, fp)
