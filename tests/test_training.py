@@ -102,7 +102,7 @@ def test_checkpoint_layout_and_final_head(trained):
     assert ckpt == out / "checkpoints" / "step-150"
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-150"]  # keep_last=1, no partials
     assert {"config.json", "model.safetensors", "training_state.pt", "config.yaml"} <= {p.name for p in ckpt.iterdir()}
-    state = torch.load(ckpt / "training_state.pt", weights_only=False)
+    state = torch.load(ckpt / "training_state.pt", weights_only=True)
     assert state["step"] == 150 and state["progress"]["tokens"] == summary["tokens"]
     assert load_config(TrainConfig, ckpt / "config.yaml").schedule.max_steps == 150
     final = et.Eagle3DraftModel.from_pretrained(out / "final")

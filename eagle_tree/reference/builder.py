@@ -25,6 +25,7 @@ import torch
 
 from eagle_tree.utils.atomic import atomic_file
 from eagle_tree.utils.optim import adamw, lr_factor
+from eagle_tree.utils.statefile import read_state
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 
@@ -229,7 +230,8 @@ def train_lm(
 ) -> TrainResult:
     """Train ``model`` for ``cfg.steps`` steps; resumes from ``checkpoint`` when it exists.
 
-    The checkpoint (a single ``torch.save`` file written atomically) holds the model, the
+    The checkpoint (a single ``torch.save`` file written atomically, read back with
+    ``weights_only=True``: tensors, numbers and containers, nothing that runs) holds the model, the
     optimiser, the step and the evaluation history; the data order is a function of the step
     and ``cfg.seed``, so a resumed run sees the same batches as an uninterrupted one.
     ``stop_after`` ends this call (with a checkpoint) after that many steps, schedule unchanged.
@@ -240,8 +242,9 @@ def train_lm(
     opt = adamw(model, cfg.lr, cfg.weight_decay)
     step, tokens, wall, evals = 0, 0, 0.0, []
     if checkpoint is not None and checkpoint.exists():
-        state = torch.load(checkpoint, weights_only=False)
-        if state["config"] != asdict(cfg):
+        state = read_state(checkpoint, "reference training checkpoint",
+                           fix=f"delete {checkpoint} to train from the start")
+        if state.get("config") != asdict(cfg):
             raise ValueError(f"checkpoint {checkpoint} was written with another config: {state['config']}")
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])

@@ -1,6 +1,11 @@
 """Checkpoint I/O of a training run: OUTPUT_DIR/checkpoints/step-N holds the head in the EAGLE-3 layout
 (config.json, model.safetensors), ``training_state.pt`` (optimiser, schedule, RNG states, data position,
-run id) and config.yaml. Save (atomic), load, latest, prune (this run's checkpoints only)."""
+run id) and config.yaml. Save (atomic), load, latest, prune (this run's checkpoints only).
+
+Nothing in a checkpoint can run code when it is read: the head is safetensors, the training state holds
+tensors, numbers, strings, lists and dicts only (the numpy RNG state as a list) and is read by
+``eagle_tree.utils.statefile.read_state`` (``torch.load(weights_only=True)``); a file holding anything
+else is refused with a :class:`StateFileError` naming it, before any of it is used."""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import numpy as np
 import torch
 
 from eagle_tree.training.config import TrainConfig
+from eagle_tree.utils.statefile import StateFileError, read_state
 
 STATE_NAME = "training_state.pt"
 CONFIG_NAME = "config.yaml"
@@ -46,7 +52,15 @@ def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
 def checkpoint_run_id(ckpt: Path) -> str | None:
     """The run id a checkpoint was written by (None: written before runs had ids)."""
     path = ckpt / RUN_ID_NAME
-    return path.read_text().strip() if path.is_file() else None
+    if path.is_file():
+        return path.read_text().strip() or None
+    if not (ckpt / STATE_NAME).is_file():
+        return None
+    try:  # the run_id file was lost: the training state records the id too
+        run_id = read_state(ckpt / STATE_NAME).get("run_id")
+    except StateFileError:
+        return None
+    return run_id if isinstance(run_id, str) and run_id else None
 
 
 def gather_object(acc, obj) -> list:
@@ -59,13 +73,22 @@ def gather_object(acc, obj) -> list:
 
 
 def _rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """The RNG states in types ``weights_only`` reads: numpy's key as a list of ints."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"torch": torch.get_rng_state(), "numpy": [name, keys.tolist(), pos, has_gauss, gauss],
+            "python": random.getstate()}
 
 
 def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    random.setstate(_as_tuples(state["python"]))
+
+
+def _as_tuples(state):
+    """random.getstate() nests tuples; a reader may hand back lists."""
+    return tuple(_as_tuples(x) for x in state) if isinstance(state, list | tuple) else state
 
 
 def full_head(draft, weights: dict):
@@ -143,11 +166,16 @@ def prune_checkpoints(output_dir: str | os.PathLike, keep_last: int | None, run_
 
 def load_training_state(acc, ckpt: Path, optimizer, scheduler) -> dict:
     """Restore optimiser, schedule and RNG states from ``ckpt``; returns the whole training state."""
-    state = torch.load(ckpt / STATE_NAME, map_location="cpu", weights_only=False)
+    state = read_state(ckpt / STATE_NAME)
+    missing = [k for k in ("step", "progress", "scheduler", "optimizer", "rng") if k not in state]
+    if missing:
+        raise StateFileError(f"{ckpt / STATE_NAME} lacks {', '.join(missing)}: it is not a training state "
+                             "written by eagle-tree train; resume from another checkpoint or start a new run")
     if state["optimizer"] is not None:
         optimizer.load_state_dict(state["optimizer"])
     else:
-        optimizer.load_state_dict(torch.load(ckpt / f"optimizer-rank{acc.process_index}.pt", weights_only=False))
+        shard = ckpt / f"optimizer-rank{acc.process_index}.pt"
+        optimizer.load_state_dict(read_state(shard, "optimiser shard"))
     scheduler.load_state_dict(state["scheduler"])
     rng = state["rng"]
     _set_rng_state(rng[acc.process_index] if len(rng) == acc.num_processes else rng[0])
