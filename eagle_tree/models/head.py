@@ -34,6 +34,7 @@ from eagle_tree.models.head_config import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     Eagle3Config,
+    HeadFormatError,
     check_head_matches_target,
     check_vocab_maps,
     text_config,
@@ -297,8 +298,14 @@ class Eagle3DraftModel(nn.Module):
         if target is not None:
             hf = target.model if _is_wrapper(target) else target
             layers = text_config(hf.config).num_hidden_layers
-        cfg, state = read_head(path, target_num_layers=layers)
-        model = cls.from_state_dict(cfg, state, target=target, dtype=dtype)
+        try:
+            cfg, state = read_head(path, target_num_layers=layers)
+            model = cls.from_state_dict(cfg, state, target=target, dtype=dtype)
+        except HeadFormatError:
+            raise
+        except (ValueError, TypeError, KeyError, FileNotFoundError) as exc:
+            what = f"missing key {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise HeadFormatError(f"the head in {path}: {what}") from exc
         model.pretrained_path = str(path)  # its decoding.json, if any, gives the decoder's default shapes
         return model
 
@@ -309,6 +316,8 @@ class Eagle3DraftModel(nn.Module):
         d2t, t2d = state.get("d2t"), state.get("t2d")
         if (d2t is None) != (t2d is None):
             raise ValueError("the checkpoint holds only one of d2t / t2d; both or neither are needed")
+        if d2t is not None and (d2t.dtype.is_floating_point or d2t.dtype == torch.bool or t2d.dtype != torch.bool):
+            raise ValueError(f"d2t must hold integers and t2d booleans, got {d2t.dtype} and {t2d.dtype}")
         model = cls(cfg, d2t, t2d)
         expected = set(model.state_dict()) - {"embed_tokens.weight"}
         embed = state.pop("embed_tokens.weight", None)
@@ -322,6 +331,10 @@ class Eagle3DraftModel(nn.Module):
         for k, v in model.state_dict().items():
             if k in state and tuple(state[k].shape) != tuple(v.shape):
                 raise ValueError(f"weight {k} has shape {tuple(state[k].shape)}, the config implies {tuple(v.shape)}")
+            if k in state and v.is_floating_point() and not state[k].is_floating_point():
+                raise ValueError(f"weight {k} has dtype {state[k].dtype}; head weights are floating point "
+                                 "(float32, bfloat16 or float16): the file was not written as a head")
+
         model.load_state_dict(state, strict=False)
         if embed is not None:
             model.embed_tokens.weight.data.copy_(embed)

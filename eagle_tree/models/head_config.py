@@ -9,22 +9,37 @@ target ids the draft vocabulary holds).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 import torch
 from transformers import LlamaConfig
 
+from eagle_tree.utils.checks import InputError
+
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 DEFAULT_ROPE_THETA = 10000.0  # what transformers 4.x, the EAGLE trainers and the engines use when a config names none
+SIZE_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "vocab_size", "draft_vocab_size", "target_hidden_size", "max_position_embeddings")
+
+
+class HeadFormatError(InputError):
+    """A head folder that cannot be loaded (config values, weights, layout, or a target it does not fit);
+    the message names the file and what to change."""
 
 
 def check_feature_layers(layers, num_layers: int | None = None) -> tuple[int, int, int]:
     """The three feature layers as a tuple, refused unless an engine can capture them as the head reads
     them: strictly ascending, each >= 1 and < ``num_layers`` (the target's layer count; -1 or None =
     unknown). Engines capture the input of each chosen layer once, in layer order, and concatenate."""
-    layers = tuple(int(i) for i in layers)
+    import operator
+
+    try:
+        layers = tuple(operator.index(i) for i in layers)
+    except TypeError:
+        raise ValueError(f"feature layers must be 3 integers, got {layers!r}") from None
     if len(layers) != 3:
         raise ValueError(f"an EAGLE-3 head fuses exactly 3 target layers, got {list(layers)}")
     if len(set(layers)) != 3:
@@ -66,15 +81,41 @@ class Eagle3Config:
     fc_norm: bool = False  # an RMSNorm on each of the three features before fc (speculators >= 0.7, SpecForge)
 
     def __post_init__(self) -> None:
+        self._check_types()
         self.feature_layers = check_feature_layers(self.feature_layers, self.target_num_layers)
-        self.norm_before_residual = bool(self.norm_before_residual)
-        self.norm_before_fc, self.fc_norm = bool(self.norm_before_fc), bool(self.fc_norm)
         if self.norm_before_fc and self.fc_norm:
             raise ValueError("norm_before_fc and fc_norm are exclusive (both would normalise the features twice)")
         if not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(
                 f"draft_vocab_size must lie in [1, vocab_size={self.vocab_size}], got {self.draft_vocab_size}"
             )
+
+    def _check_types(self) -> None:
+        """Sizes are integers >= 1, eps a finite number > 0, the activation one transformers knows."""
+        from transformers.activations import ACT2FN
+
+        for name in SIZE_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        n = self.target_num_layers
+        if isinstance(n, bool) or not isinstance(n, int) or (n < 1 and n != -1):
+            raise ValueError(f"target_num_layers must be an integer >= 1 (or -1: unknown), got {n!r}")
+        eps = self.rms_norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < math.inf:
+            raise ValueError(f"rms_norm_eps must be a finite number > 0, got {eps!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        if not isinstance(self.hidden_act, str) or self.hidden_act not in ACT2FN:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not an activation transformers knows "
+                             "(silu for Llama heads)")
+        theta = self.rope_parameters.get("rope_theta") if isinstance(self.rope_parameters, dict) else None
+        if isinstance(theta, bool) or not isinstance(theta, int | float) or not 0 < theta < math.inf:
+            raise ValueError(f"rope_parameters.rope_theta must be a finite number > 0, got {theta!r}")
+        for flag in ("norm_before_residual", "norm_before_fc", "fc_norm"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
 
     def llama_config(self) -> LlamaConfig:
         """The Llama config of the single decoder layer (rope, norms, MLP)."""
@@ -160,6 +201,7 @@ def text_config(config):
 
 __all__ = [
     "ARCHITECTURE",
+    "HeadFormatError",
     "CONFIG_NAME",
     "WEIGHTS_NAME",
     "DEFAULT_ROPE_THETA",

@@ -42,6 +42,7 @@ from eagle_tree.models.head_config import (
     DEFAULT_ROPE_THETA,
     WEIGHTS_NAME,
     Eagle3Config,
+    HeadFormatError,
     check_feature_layers,
     check_head_matches_target,
     check_vocab_maps,
@@ -196,7 +197,8 @@ def _rope(d: dict) -> dict:
         rope["rope_type"] = rope.pop("type", rope.get("rope_type", "default"))
         rope["rope_theta"] = d.get("rope_theta", DEFAULT_ROPE_THETA)
     rope.setdefault("rope_type", "default")
-    rope["rope_theta"] = float(rope.get("rope_theta", DEFAULT_ROPE_THETA))
+    theta = rope.get("rope_theta", DEFAULT_ROPE_THETA)
+    rope["rope_theta"] = float(theta) if isinstance(theta, int | float) and not isinstance(theta, bool) else theta
     return rope
 
 
@@ -212,8 +214,17 @@ def read_head(path: str | Path, target_num_layers: int | None = None) -> tuple[E
     try:
         raw = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{cfg_file} is not valid JSON ({exc})") from exc
-    cfg = read_config(raw, target_num_layers=target_num_layers)
+        raise HeadFormatError(f"{cfg_file} is not valid JSON ({exc}); export or download the head again") from exc
+    except UnicodeDecodeError as exc:
+        raise HeadFormatError(f"{cfg_file} is not UTF-8 text ({exc.reason}); is it a head's config.json?") from exc
+    if not isinstance(raw, dict):
+        raise HeadFormatError(f"{cfg_file} holds a JSON {type(raw).__name__}, not a head config (an object)")
+    try:
+        cfg = read_config(raw, target_num_layers=target_num_layers)
+    except KeyError as exc:
+        raise HeadFormatError(f"{cfg_file}: the head config lacks the key {exc}") from exc
+    except (ValueError, TypeError) as exc:
+        raise HeadFormatError(f"{cfg_file}: {exc}") from exc
     weights = path / WEIGHTS_NAME
     if weights.is_file():
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -124,10 +125,10 @@ class ScheduleSection:
 
     def __post_init__(self) -> None:
         check_ranges(self, max_steps=1, warmup_steps=0)
-        if self.epochs is not None and not self.epochs > 0:
-            raise ConfigValueError("epochs", f"must be > 0 (or null), got {self.epochs!r}")
-        if self.max_minutes is not None and not self.max_minutes > 0:
-            raise ConfigValueError("max_minutes", f"must be > 0 (or null), got {self.max_minutes!r}")
+        if self.epochs is not None and not 0 < self.epochs < math.inf:
+            raise ConfigValueError("epochs", f"must be a finite number > 0 (or null), got {self.epochs!r}")
+        if self.max_minutes is not None and not 0 < self.max_minutes < math.inf:
+            raise ConfigValueError("max_minutes", f"must be a finite number > 0 (or null), got {self.max_minutes!r}")
         if self.max_minutes is not None and self.epochs is not None:
             raise ConfigValueError("max_minutes", "cannot be combined with epochs: both set the step count; "
                                    "set one of them")
@@ -211,8 +212,9 @@ class EvalSection:
     """output budget per copying prompt"""
 
     def __post_init__(self) -> None:
-        if self.every_minutes is not None and not self.every_minutes > 0:
-            raise ConfigValueError("every_minutes", f"must be > 0 (or null), got {self.every_minutes!r}")
+        if self.every_minutes is not None and not 0 < self.every_minutes < math.inf:
+            raise ConfigValueError("every_minutes",
+                                   f"must be a finite number > 0 (or null), got {self.every_minutes!r}")
         check_ranges(self, every=0, num_prompts=1, max_prompt_tokens=1, max_new_tokens=1, chain_length=1, tree_depth=1,
                  tree_top_k=1, tree_total_tokens=1, copy_num_prompts=1, copy_chain_length=1, copy_max_new_tokens=1)
 

@@ -4,6 +4,7 @@ problem and the fix (commands print it and exit with status 2, without a traceba
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,15 +35,15 @@ def exit_on_input_error(prog: str, run, cfg) -> int:
 
 def check_range(name: str, value, low: float, allow_none: bool = False, meaning: str = "",
                 integer: bool = True) -> None:
-    """A config value that must be an integer (or, with ``integer=False``, a number) >= ``low`` (or None
-    when ``allow_none``; ``meaning`` says what None means). Raises a ValueError naming the key, for a
-    schema's ``__post_init__`` (``parse_cli`` reports it with the key's dotted path)."""
+    """A config value that must be an integer (or, with ``integer=False``, a finite number) >= ``low`` (or
+    None when ``allow_none``; ``meaning`` says what None means); NaN and infinities are refused. Raises a
+    ValueError naming the key, for a schema's ``__post_init__`` (``parse_cli`` reports it with the dotted key)."""
     if value is None and allow_none:
         return
     kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind) or value < low:
+    if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value) or value < low:
         alternative = " or null" + (f" ({meaning})" if meaning else "") if allow_none else ""
-        what = "an integer" if integer else "a number"
+        what = "an integer" if integer else "a finite number"
         raise ConfigValueError(name, f"must be {what} >= {low}{alternative}, got {value!r}")
 
 

@@ -27,6 +27,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import math
 import sys
 import textwrap
 import types
@@ -39,7 +40,7 @@ import yaml
 T = TypeVar("T")
 
 __all__ = ["ConfigError", "ConfigValueError", "load_config", "config_to_dict", "save_config",
-           "parse_cli", "format_help"]
+           "parse_cli", "format_help", "read_yaml"]
 
 
 class ConfigError(ValueError):
@@ -54,13 +55,35 @@ class ConfigValueError(ValueError):
         self.key, self.problem = key, problem
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (YAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, str | int | float | bool) and key in seen:
+                raise ConfigError(f"key {key!r} is given twice, on lines {seen[key]} and {line}: keep one (YAML would "
+                                  "silently use the last)")
+            seen.setdefault(key, line)
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(text: str):
+    """YAML text -> data, with safe types only and every mapping's keys unique (:class:`ConfigError`)."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
 def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
     """Build ``schema`` from the YAML file at ``path`` (if any), then the dotted overrides in order."""
     data: dict = {}
     if path is not None:
         try:
-            loaded = yaml.safe_load(Path(path).read_text())
-        except (OSError, yaml.YAMLError) as exc:
+            loaded = read_yaml(Path(path).read_text())
+        except ConfigError as exc:
+            raise ConfigError(f"config file {str(path)!r}: {exc}") from None
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
             raise ConfigError(f"cannot read config file {str(path)!r}: {exc}") from exc
         if not isinstance(loaded, dict | None):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping, not {type(loaded).__name__}")
@@ -187,7 +210,9 @@ def _apply_override(schema: type, data: dict, text: str) -> None:
 
 def _parse_value(raw: str, tp: Any, key: str) -> Any:
     try:
-        value = yaml.safe_load(raw)
+        value = read_yaml(raw)
+    except ConfigError as exc:
+        raise ConfigError(f"the value of {key!r}: {exc}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"cannot parse the value of {key!r}: {raw!r} is not valid YAML ({exc})") from exc
     inner = _strip_optional(tp)
@@ -303,6 +328,8 @@ def _coerce(value: Any, tp: Any, path: tuple[str, ...], where: str) -> Any:
                 raise bad(tp.__name__) from None
         if isinstance(number, bool) or not isinstance(number, int | float):
             raise bad(tp.__name__)
+        if not math.isfinite(number):
+            raise bad(f"a finite {'number' if tp is float else 'int'} (NaN and infinities are refused)")
         if tp is int:
             if isinstance(number, float) and not number.is_integer():
                 raise bad("int")
