@@ -2,8 +2,10 @@
 
 Warpers are applied in the order of Hugging Face ``generate``: temperature, then top-k, then
 top-p; the result is renormalised and returned in float32. Temperature 0 means greedy: a point
-mass at the argmax, ties broken by the smallest token id. Both the target side and the draft side
-of speculative decoding use this one function.
+mass at the argmax, ties broken by the smallest token id. So does every temperature below
+:data:`GREEDY_BELOW` (float32's smallest normal number, about 1.2e-38): divided in float32 it would
+underflow to 0 and give NaN, and the law it stands for is the argmax up to ties. Both the target
+side and the draft side of speculative decoding use this one function.
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ from dataclasses import dataclass
 
 import torch
 
+GREEDY_BELOW = float(torch.finfo(torch.float32).tiny)  # temperatures below this decode greedily
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
     """How the target would sample one token on its own.
 
-    temperature: 0.0 selects greedy decoding (argmax, smallest id on ties); > 0 divides logits.
+    temperature: 0.0 selects greedy decoding (argmax, smallest id on ties), and so does any value below
+    GREEDY_BELOW (about 1.2e-38, where float32 division underflows); above it, divides logits.
     top_k: keep the k most likely tokens (ties with the k-th value kept, as in Hugging Face); 0 = off.
     top_p: keep the smallest set of most likely tokens whose mass reaches top_p; 1.0 = off.
     """
@@ -41,7 +46,8 @@ class SamplingConfig:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Greedy decoding: temperature 0, or below GREEDY_BELOW."""
+        return self.temperature < GREEDY_BELOW
 
 
 def greedy_token(logits: torch.Tensor) -> torch.Tensor:

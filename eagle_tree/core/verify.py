@@ -82,8 +82,13 @@ def _normalise(x: torch.Tensor) -> torch.Tensor | None:
 
 def _sample(dist: torch.Tensor, generator: torch.Generator | None) -> int:
     """Inverse-CDF draw from an unnormalised float64 row: the first token whose cumulative mass
-    exceeds u * total (never a zero-probability token)."""
+    exceeds u * total (never a zero-probability token). A row without positive finite mass (NaN, all
+    zero) is a ValueError, never an index past the vocabulary."""
     cdf = dist.cumsum(0)
+    total = float(cdf[-1])
+    if not 0 < total < float("inf"):
+        raise ValueError(f"cannot draw a token from a distribution of total mass {total} (NaN, infinite or zero "
+                         "probabilities); the target or draft scores are invalid")
     u = torch.rand((), generator=generator, dtype=torch.float64)
     index = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
     if index >= len(dist):  # rounding at the top: the last token with mass

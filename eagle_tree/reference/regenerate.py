@@ -25,6 +25,7 @@ from typing import Literal
 
 import torch
 
+from eagle_tree.core.sampling import SamplingConfig
 from eagle_tree.training.data import CONVERSATION_FIELDS, TEXT_FIELDS, normalize_messages
 from eagle_tree.utils.atomic import write_text
 
@@ -151,7 +152,7 @@ def generate_batch(model, tokenizer, jobs: Sequence[Job], max_new_tokens: int, t
     for r, job in enumerate(jobs):
         ids[r, width - len(job.prompt_ids):] = torch.tensor(job.prompt_ids)
         mask[r, width - len(job.prompt_ids):] = 1
-    sample = temperature > 0
+    sample = not SamplingConfig(temperature=temperature).greedy  # a tiny temperature is greedy, as in decoding
     kwargs = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if sample else dict(do_sample=False)
     device = model.get_input_embeddings().weight.device
     with torch.random.fork_rng(devices=[]):
