@@ -9,20 +9,26 @@ same command after an interruption resumes from the finished batches (see eagle_
 
 from __future__ import annotations
 
-import sys
-
 from eagle_tree.utils.config import parse_cli
+
+PROG = "eagle-tree regenerate"
 
 
 def main(argv: list[str]) -> int:
-    from eagle_tree.reference.regenerate import RegenerateConfig, regenerate
+    from eagle_tree.reference.regenerate import RegenerateConfig
+    from eagle_tree.training.data import DataError
+    from eagle_tree.utils.checks import exit_on_input_error
 
-    cfg = parse_cli(RegenerateConfig, argv, prog="eagle-tree regenerate")
-    try:
-        result = regenerate(cfg)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"eagle-tree regenerate: {exc}", file=sys.stderr)
-        return 2
+    cfg = parse_cli(RegenerateConfig, argv, prog=PROG)
+    return exit_on_input_error(PROG, run, cfg, (DataError, FileNotFoundError),
+                               interrupted=lambda: "the finished batches are kept in OUTPUT.partial; rerun the same "
+                                                   "command to resume")
+
+
+def run(cfg) -> int:
+    from eagle_tree.reference.regenerate import regenerate
+
+    result = regenerate(cfg)
     print(f"[eagle-tree regenerate] {result['rows']} rows ({result['new_tokens_this_run']} new tokens this run, "
           f"{result['resumed_batches']} batches resumed) -> {result['output']}")
     return 0

@@ -7,25 +7,32 @@
 
 from __future__ import annotations
 
-import sys
+import contextlib
+import signal
 
 from eagle_tree.utils.config import parse_cli
+
+PROG = "eagle-tree train"
 
 
 def main(argv: list[str]) -> int:
     from eagle_tree.training.checkpoint import CheckpointWriteError
     from eagle_tree.training.config import TrainConfig
     from eagle_tree.training.data import DataError
-    from eagle_tree.training.loop import TrainingDiverged, train
+    from eagle_tree.training.loop import TrainingDiverged
     from eagle_tree.training.rundir import RunFolderError
-    from eagle_tree.utils.checks import InputError
+    from eagle_tree.utils.checks import exit_on_input_error
 
-    cfg = parse_cli(TrainConfig, argv, prog="eagle-tree train")
-    try:
-        result = train(cfg)
-    except (RunFolderError, TrainingDiverged, CheckpointWriteError, DataError, InputError, FileNotFoundError) as exc:
-        print(f"eagle-tree train: error: {exc}", file=sys.stderr)
-        return 1
+    cfg = parse_cli(TrainConfig, argv, prog=PROG)
+    anticipated = (RunFolderError, TrainingDiverged, CheckpointWriteError, DataError, FileNotFoundError)
+    with _sigterm_as_interrupt():
+        return exit_on_input_error(PROG, run, cfg, anticipated, interrupted=lambda: _what_was_saved(cfg, argv))
+
+
+def run(cfg) -> int:
+    from eagle_tree.training.loop import train
+
+    result = train(cfg)
     if result.world_size == 1 or _is_main():
         print(f"[eagle-tree train] {result.steps} steps, {result.tokens} tokens in {result.wall_s:.1f} s; "
               f"head in {result.final_dir}")
@@ -36,6 +43,39 @@ def main(argv: list[str]) -> int:
         if result.run_dir is not None:
             print(f"[eagle-tree train] W&B run: {result.run_dir}")
     return 0
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM (a scheduler stopping the job) ends the run as Ctrl-C does: the lock is released and one
+    line says what was saved."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        old = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _what_was_saved(cfg, argv: list[str]) -> str:
+    """The newest checkpoint of the run and the command that continues from it."""
+    import shlex
+
+    from eagle_tree.training.checkpoint import latest_checkpoint
+
+    last = latest_checkpoint(cfg.output_dir)
+    if last is None:
+        return (f"no checkpoint was written yet under {cfg.output_dir}/checkpoints (checkpoint.every sets how "
+                "often); rerun the same command to start again")
+    kept = [a for a in argv if not a.startswith(("resume=", "overwrite="))]
+    again = " ".join(shlex.quote(a) for a in [*PROG.split(), *kept, "resume=latest"])
+    return f"the last checkpoint is {last}; continue from it with: {again}"
 
 
 def _is_main() -> bool:

@@ -65,6 +65,9 @@ class RegenerateConfig:
     """torch CPU threads (None: torch's default)."""
     chunk_chars: int = 768
     """'stdlib:' data: characters per chunk (whole lines), as in training with max_length 256."""
+    overwrite: bool = False
+    """Replace `output` even when it is not an earlier regenerate output (an output that is one of the
+    input files is refused even then)."""
 
     def __post_init__(self) -> None:
         if min(self.prefix_tokens, self.max_new_tokens, self.batch_size, self.every) < 1:
@@ -182,10 +185,7 @@ def regenerate(cfg: RegenerateConfig, model=None, tokenizer=None, progress: bool
     """Run the whole job; returns counts. ``model`` / ``tokenizer`` default to loading ``cfg.target``."""
     from tqdm.auto import tqdm
 
-    out = Path(cfg.output)
-    if out.is_dir() or out.suffix != ".jsonl":
-        raise ValueError(f"output={cfg.output} must name a .jsonl file (a folder or another suffix is refused "
-                         "before any row is generated)")
+    out = check_output(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if model is None or tokenizer is None:
@@ -224,6 +224,49 @@ def regenerate(cfg: RegenerateConfig, model=None, tokenizer=None, progress: bool
             "output": str(out)}
 
 
+def is_regenerated(path: Path) -> bool:
+    """Whether ``path`` is an earlier output of regenerate: every row it starts with carries the keys
+    regenerate adds (``source_index``, ``temperature``, ``generated_tokens``)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = f.readline()
+        row = json.loads(first) if first.strip() else None
+    except (OSError, ValueError):
+        return False
+    return isinstance(row, dict) and {"source_index", "temperature", "generated_tokens"} <= set(row)
+
+
+def check_output(cfg: RegenerateConfig) -> Path:
+    """Refuse, before any row is generated, an ``output`` regenerate must not write: not a .jsonl file
+    name, one of the input files, or an existing file regenerate did not write (unless ``overwrite``)."""
+    from eagle_tree.utils.checks import InputError
+    from eagle_tree.utils.outputs import check_output_file
+
+    out = Path(cfg.output)
+    if out.is_dir() or out.suffix != ".jsonl":
+        raise InputError(f"output={cfg.output} must name a .jsonl file (a folder or another suffix is refused "
+                         "before any row is generated)")
+    if _is_input(out, cfg.data):
+        raise InputError(f"output={cfg.output} is one of the input files (data={cfg.data}): writing it would "
+                         "replace the rows being read; choose another output file")
+    check_output_file(out, "eagle-tree regenerate", overwrite=cfg.overwrite, recognise=is_regenerated)
+    return out
+
+
+def _is_input(out: Path, data: str) -> bool:
+    """Whether ``out`` is a file ``data`` names (a file, a glob, or a file under a folder)."""
+    import glob
+
+    if data.startswith("stdlib:"):
+        return False
+    target = out.resolve()
+    source = Path(data).expanduser()
+    if source.is_dir():
+        return source.resolve() in target.parents
+    names = glob.glob(os.path.expanduser(data), recursive=True) if glob.has_magic(data) else [str(source)]
+    return any(Path(n).resolve() == target for n in names)
+
+
 def _fingerprint(cfg: RegenerateConfig, batches: Sequence[Sequence[Job]]) -> str:
     """What the rows depend on: the settings and every batch's prompts (not the output path or threads)."""
     import hashlib
@@ -247,7 +290,9 @@ def _completed_batches(partial: Path, fingerprint: str) -> int:
         return 0
     marker = json.loads(lines[last])
     if marker.get("fingerprint") != fingerprint:
-        raise ValueError(f"{partial} holds rows of an interrupted run with other settings or data; rerun with "
+        from eagle_tree.utils.checks import InputError
+
+        raise InputError(f"{partial} holds rows of an interrupted run with other settings or data; rerun with "
                          f"those settings to resume it, or delete the file to start again")
     if last + 1 != len(lines):
         write_text(partial, "".join(lines[: last + 1]))

@@ -69,11 +69,25 @@ class RunIdentity:
 
     @classmethod
     def read(cls, out_dir: Path) -> RunIdentity | None:
+        """The identity in ``out_dir/run.json`` (None: no such file); a file that is not a run identity
+        (broken JSON, another program's file) is a RunFolderError naming it."""
         path = out_dir / RUN_FILE
         if not path.is_file():
             return None
-        data = json.loads(path.read_text())
-        return cls(**{k: data[k] for k in ("run_id", "config_hash", "seed", "started")})
+        keys = ("run_id", "config_hash", "seed", "started")
+        try:
+            data = json.loads(path.read_text())
+            ident = cls(**{k: data[k] for k in keys})
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            reason = f"no key {exc}" if isinstance(exc, KeyError) else f"{exc.__class__.__name__}: {exc}"
+            raise RunFolderError(
+                f"{path} is not the run identity eagle-tree train writes ({reason}; expected a JSON object with "
+                f"{', '.join(keys)}): choose another output_dir, or pass overwrite=true to replace it and start a "
+                "new run there") from None
+        if not isinstance(ident.run_id, str) or not ident.run_id:
+            raise RunFolderError(f"{path} names no run id (run_id={ident.run_id!r}): choose another output_dir, or "
+                                 "pass overwrite=true to start a new run there")
+        return ident
 
 
 def _flat(data, prefix: str = "") -> dict:
@@ -97,11 +111,52 @@ def _holds_a_run(out_dir: Path) -> bool:
     return bool(checkpoint_dirs(out_dir)) or (out_dir / "final").exists()
 
 
+def _read_identity(out_dir: Path, overwrite: bool) -> RunIdentity | None:
+    try:
+        return RunIdentity.read(out_dir)
+    except RunFolderError:
+        if overwrite:
+            return None  # replaced below, as the user asked
+        raise
+
+
+def check_inputs_apart(cfg) -> None:
+    """Refuse a run whose inputs (data files, model.init_from, prompt files) are files it writes: the run
+    would replace what it reads (always refused, also with overwrite=true)."""
+    out_dir = Path(cfg.output_dir).resolve()
+    written = [out_dir / name for name in WRITTEN]
+    inputs = {"model.init_from": cfg.model.init_from, "eval.prompts": cfg.eval.prompts,
+              "eval.copy_prompts": cfg.eval.copy_prompts}
+    paths = cfg.data.path if isinstance(cfg.data.path, list | tuple) else [cfg.data.path]
+    inputs |= {f"data.path[{i}]" if len(paths) > 1 else "data.path": p for i, p in enumerate(paths)}
+    fresh = cfg.resume is None
+    for key, value in inputs.items():
+        if not isinstance(value, str) or not Path(value).expanduser().exists():
+            continue
+        path = Path(value).expanduser().resolve()
+        hit = next((w for w in written if path == w or w in path.parents), None)
+        if hit is None or (key == "model.init_from" and not fresh):
+            continue
+        raise RunFolderError(f"{key}={value} is {'inside ' if path != hit else ''}{hit}, which this run writes "
+                             f"into output_dir {cfg.output_dir}: it would replace what it reads; copy it elsewhere "
+                             "or choose another output_dir")
+
+
+def _unowned_files(out_dir: Path, old: RunIdentity | None) -> list[str]:
+    """The files a run writes at the top of ``out_dir`` that exist there without a run identity: the user's."""
+    if old is not None:
+        return []
+    return [name for name in (CONFIG_NAME, "train_summary.json") if (out_dir / name).exists()]
+
+
 def claim_output_dir(cfg, resume_from: Path | None) -> RunIdentity:
     """The identity of this run in ``cfg.output_dir``: the resumed run's, or a new one (after the checks
-    and, with ``overwrite``, the removal of the old run's outputs); written to run.json."""
+    and, with ``overwrite``, the removal of the old run's outputs); written to run.json. A fresh run also
+    refuses a folder holding a config.yaml or train_summary.json that no training wrote (no run.json)."""
     out_dir = Path(cfg.output_dir)
-    old = RunIdentity.read(out_dir)
+    check_inputs_apart(cfg)
+    overwrite = bool(getattr(cfg, "overwrite", False))
+    old = _read_identity(out_dir, overwrite)
     if resume_from is not None:
         ckpt_run = checkpoint_run_id(resume_from)
         inside = resume_from.resolve().parent.parent == out_dir.resolve()
@@ -118,9 +173,15 @@ def claim_output_dir(cfg, resume_from: Path | None) -> RunIdentity:
             raise RunFolderError(
                 f"resume={resume_from} continues a checkpoint of another folder, but output_dir {out_dir} holds "
                 "the checkpoints or final head of another run; give a fresh output_dir")
+    elif _unowned_files(out_dir, old) and not overwrite and not _holds_a_run(out_dir):
+        unowned = _unowned_files(out_dir, old)
+        raise RunFolderError(
+            f"output_dir {out_dir} holds {' and '.join(unowned)} that no training wrote there (no {RUN_FILE}): "
+            f"training would replace {'them' if len(unowned) > 1 else 'it'}; choose another output_dir, or pass "
+            "overwrite=true to replace them")
     elif _holds_a_run(out_dir):
         who = f"run {old.run_id} (started {old.started})" if old else "an earlier run"
-        if not getattr(cfg, "overwrite", False):
+        if not overwrite:
             hint = ("it has no checkpoint to resume from" if cfg.resume is not None
                     else "continue it with resume=latest")
             raise RunFolderError(

@@ -21,16 +21,23 @@ class InputError(ValueError):
     """An input (path, file, model, value) the user must change; the message says how."""
 
 
-def exit_on_input_error(prog: str, run, cfg) -> int:
-    """``run(cfg)`` for a command: an :class:`InputError` is printed as ``prog: message`` (no
-    traceback) and gives exit status 2."""
+def exit_on_input_error(prog: str, run, cfg, anticipated: tuple[type[BaseException], ...] = (),
+                        interrupted=None) -> int:
+    """``run(cfg)`` for a command, its one error boundary: an :class:`InputError` (or one of the
+    ``anticipated`` kinds) is printed as ``prog: message`` (no traceback) and gives exit status 2; any
+    other error keeps its traceback. Ctrl-C gives one line (``interrupted()`` adds what was saved and
+    how to continue) and exit status 130."""
     import sys
 
     try:
         return run(cfg)
-    except InputError as exc:
+    except (InputError, *anticipated) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        extra = interrupted() if interrupted is not None else ""
+        print(f"{prog}: interrupted" + (f"; {extra}" if extra else ""), file=sys.stderr)
+        return 130
 
 
 def check_range(name: str, value, low: float, allow_none: bool = False, meaning: str = "",
