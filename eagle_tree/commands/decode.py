@@ -16,7 +16,7 @@ from typing import Literal
 from eagle_tree.core.sampling import SamplingConfig
 from eagle_tree.decoding.drafting import TreeConfig
 from eagle_tree.utils.checks import check_range
-from eagle_tree.utils.config import config_to_dict, parse_cli, save_config
+from eagle_tree.utils.config import ConfigValueError, config_to_dict, parse_cli, save_config
 from eagle_tree.utils.tracking import WandbConfig
 
 
@@ -81,6 +81,9 @@ class DecodeConfig(GenerationOptions):
     """Weights & Biases logging."""
 
     def __post_init__(self) -> None:
+        if self.prompt is not None and not self.prompt.strip():
+            raise ConfigValueError("prompt", f"is blank ({self.prompt!r}): give the prompt text, or leave the key "
+                                   "out to decode the prompts file")
         check_range("limit", self.limit, 1, allow_none=True, meaning="all prompts")
         check_range("chain_length", self.chain_length, 1)
         check_range("max_new_tokens", self.max_new_tokens, 1)
@@ -124,7 +127,7 @@ def load_models(cfg: DecodeConfig):
     from eagle_tree.models.gguf import load_tokenizer
     from eagle_tree.models.head import Eagle3DraftModel
     from eagle_tree.models.target import TargetModel
-    from eagle_tree.utils.checks import InputError, check_finite_weights, check_target_path
+    from eagle_tree.utils.checks import InputError, check_finite_weights, check_target_path, reading
 
     check_target_path(cfg.target)
     if cfg.mode != "plain":
@@ -132,7 +135,9 @@ def load_models(cfg: DecodeConfig):
             raise InputError(f"mode={cfg.mode} needs a draft head: set head=PATH (or mode=plain)")
         check_head_path(cfg.head)
     dtype = getattr(torch, cfg.dtype)
-    tokenizer = load_tokenizer(cfg.target)
+    with reading(f"target={cfg.target}: its tokenizer cannot be loaded",
+                 "the folder needs the tokenizer files (tokenizer.json or tokenizer_config.json) beside the model"):
+        tokenizer = load_tokenizer(cfg.target)
     head = None
     if cfg.mode != "plain":
         head_path = Path(cfg.head)
@@ -151,9 +156,12 @@ def load_models(cfg: DecodeConfig):
     if cfg.mode == "auto":
         from eagle_tree.decoding.shapes import load_tuned_shape
 
-        tree = load_tuned_shape(cfg.shapes)
+        with reading(f"shapes={cfg.shapes}", "rerun `eagle-tree bench` to write it, or point shapes= at its file"):
+            tree = load_tuned_shape(cfg.shapes)
     if cfg.mode == "default":
-        decoder = SpeculativeDecoder(target, head)  # no tree=: the shapes of the head folder's decoding.json
+        with reading(f"{Path(cfg.head) / 'decoding.json'} (the head's decoding defaults)",
+                     "delete it or rewrite it with `eagle-tree bench head_defaults=true`"):
+            decoder = SpeculativeDecoder(target, head)  # no tree=: the shapes of the head folder's decoding.json
         if not decoder.defaults:
             raise InputError(f"mode=default: {cfg.head} holds no decoding.json; tune one with `eagle-tree bench "
                              "head_defaults=true ...` (docs/BENCHMARKS.md), or use mode=tree / chain / auto")
@@ -172,6 +180,12 @@ def encode(prompts, target, tokenizer, max_new_tokens: int, truncate: str):
 def main(argv: list[str]) -> int:
     from eagle_tree.utils.checks import exit_on_input_error
 
+    for arg in argv:  # YAML reads `prompt=` and `prompt=~` as null, which would mean "the prompts file"
+        key, eq, value = arg.partition("=")
+        if eq and key.strip() == "prompt" and value.strip() in ("", "~", "null", "Null", "NULL"):
+            print(f"eagle-tree decode: {arg!r} gives no prompt text: write prompt='your text', or leave the key "
+                  f"out to decode the prompts file", file=sys.stderr)
+            return 2
     return exit_on_input_error("eagle-tree decode", run, parse_cli(DecodeConfig, argv, prog="eagle-tree decode"))
 
 

@@ -26,7 +26,8 @@ CONFIG_NAME = "config.yaml"
 RUN_ID_NAME = "run_id"  # beside training_state.pt: the id of the run that wrote the checkpoint
 
 __all__ = ["STATE_NAME", "CONFIG_NAME", "checkpoint_dirs", "latest_checkpoint", "checkpoint_run_id", "full_head",
-           "gather_object", "save_checkpoint", "load_training_state", "prune_checkpoints", "CheckpointWriteError"]
+           "gather_object", "save_checkpoint", "read_training_state", "load_training_state", "prune_checkpoints",
+           "CheckpointWriteError"]
 
 
 class CheckpointWriteError(OSError):
@@ -164,18 +165,29 @@ def prune_checkpoints(output_dir: str | os.PathLike, keep_last: int | None, run_
     return gone
 
 
-def load_training_state(acc, ckpt: Path, optimizer, scheduler) -> dict:
-    """Restore optimiser, schedule and RNG states from ``ckpt``; returns the whole training state."""
+def read_training_state(ckpt: Path, rank: int = 0) -> tuple[dict, dict | None]:
+    """(training state, this rank's optimiser shard or None) of ``ckpt``, read safely and checked for the
+    keys a training state has, before anything of the run is touched (StateFileError otherwise)."""
     state = read_state(ckpt / STATE_NAME)
     missing = [k for k in ("step", "progress", "scheduler", "optimizer", "rng") if k not in state]
     if missing:
         raise StateFileError(f"{ckpt / STATE_NAME} lacks {', '.join(missing)}: it is not a training state "
                              "written by eagle-tree train; resume from another checkpoint or start a new run")
-    if state["optimizer"] is not None:
-        optimizer.load_state_dict(state["optimizer"])
-    else:
-        shard = ckpt / f"optimizer-rank{acc.process_index}.pt"
-        optimizer.load_state_dict(read_state(shard, "optimiser shard"))
+    shard = None
+    if state["optimizer"] is None:
+        path = ckpt / f"optimizer-rank{rank}.pt"
+        if not path.is_file():
+            raise StateFileError(f"{ckpt} holds no {path.name} (the optimiser shard of rank {rank}): resume with "
+                                 "the number of processes that wrote it")
+        shard = read_state(path, "optimiser shard")
+    return state, shard
+
+
+def load_training_state(acc, ckpt: Path, optimizer, scheduler, read: tuple[dict, dict | None] | None = None) -> dict:
+    """Restore optimiser, schedule and RNG states from ``ckpt`` (or from ``read``, what
+    :func:`read_training_state` returned for it); returns the whole training state."""
+    state, shard = read if read is not None else read_training_state(ckpt, acc.process_index)
+    optimizer.load_state_dict(state["optimizer"] if shard is None else shard)
     scheduler.load_state_dict(state["scheduler"])
     rng = state["rng"]
     _set_rng_state(rng[acc.process_index] if len(rng) == acc.num_processes else rng[0])

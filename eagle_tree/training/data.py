@@ -129,6 +129,10 @@ class DataConfig:
     """datasets cache directory (None: HF default)"""
 
     def __post_init__(self) -> None:
+        paths = [self.path] if isinstance(self.path, str) else list(self.path)
+        if not paths or any(not isinstance(p, str) or not p.strip() for p in paths):
+            raise ConfigValueError("path", f"must name a dataset (a hub id, a file, a folder or a glob, or a "
+                                   f"non-empty list of them), got {self.path!r}")
         check_ranges(self, max_length=1, limit=1, draft_vocab_size=1, num_proc=1)
         if not 0.0 <= self.max_missing_fraction <= 1.0:
             raise ConfigValueError("max_missing_fraction", f"must lie in [0, 1], got {self.max_missing_fraction!r}")
@@ -182,7 +186,10 @@ def load_examples(
     kind, column = _find_column(raw.column_names, text_field, conversations_field, source)
     _check_missing(raw, column, source, max_missing_fraction)
     if kind == "conversations" and getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("the dataset holds conversations but the tokenizer has no chat_template")
+        raise DataError(f"the dataset {source!r} holds conversations but the target's tokenizer has no "
+                        "chat_template: use a chat model's tokenizer, or plain text rows (a 'text' field)")
+    if kind == "conversations":
+        _warn_if_replies_empty(raw, column, source)
     features = datasets.Features(
         {"input_ids": datasets.List(datasets.Value("int32")), "loss_mask": datasets.List(datasets.Value("int8"))}
     )
@@ -191,7 +198,9 @@ def load_examples(
         batched=True,
         remove_columns=raw.column_names,
         features=features,
-        fn_kwargs=dict(tokenizer=tokenizer, kind=kind, column=column, max_length=max_length, too_long=too_long),
+        fn_kwargs=dict(tokenizer=tokenizer, kind=kind, column=column, max_length=max_length, too_long=too_long,
+                       source=source if isinstance(source, str | list) else "the dataset"),
+        with_indices=True,
         num_proc=num_proc,
         desc="tokenising",
     )
@@ -243,8 +252,16 @@ def load_raw(source, split: str = "train", text_sample_by: str = "document", cac
     ``datasets.Dataset``, untokenised: the one reader of data files, for training and regeneration. A local
     file that is empty, not UTF-8 or holds a line that is not JSON raises DataError naming the file and line."""
     files = _local_files(source)
+    if files == []:
+        raise DataError(f"data.path={source!r} names no files; give a dataset (a hub id, a file, a folder or a glob)")
     for f in files or []:
         _check_utf8(Path(f))
+        if Path(f).suffix.lower() == ".json":  # one document: rows, not a mapping of columns
+            try:
+                document = json.loads(Path(f).read_text(encoding="utf-8"))
+            except json.JSONDecodeError:
+                continue  # JSON lines in a .json file
+            _check_json_document(Path(f), document)
     try:
         return _read_raw(source, files, split, text_sample_by, cache_dir)
     except Exception:  # datasets' errors name neither file nor line: find them, else re-raise as it was
@@ -296,10 +313,12 @@ def check_data_file(path: Path) -> None:
         return
     if path.suffix.lower() == ".json":
         try:
-            json.loads(text)
-            return  # one JSON document
+            document = json.loads(text)
         except json.JSONDecodeError:
-            pass  # JSON lines in a .json file: check them line by line
+            document = None  # JSON lines in a .json file: check them line by line
+        else:
+            _check_json_document(path, document)
+            return
     for i, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -313,6 +332,17 @@ def check_data_file(path: Path) -> None:
                             "conversations field")
 
 
+def _check_json_document(path: Path, document) -> None:
+    """A .json file holding one document: a list of row objects (or one row); a mapping of columns is refused."""
+    if isinstance(document, dict) and document and all(isinstance(v, list) for v in document.values()):
+        raise DataError(f"{path} holds one JSON object of columns ({', '.join(map(repr, list(document)[:4]))}); a "
+                        ".json data file holds a list of rows ([{\"text\": ...}, ...]) or one row object per line")
+    if isinstance(document, list) and not all(isinstance(r, dict) for r in document):
+        bad = next(i for i, r in enumerate(document) if not isinstance(r, dict))
+        raise DataError(f"{path}: item {bad + 1} of the list is a JSON {type(document[bad]).__name__}, not a row "
+                        "object with a text or conversations field")
+
+
 def _read_raw(source, files: list[str] | None, split: str, text_sample_by: str, cache_dir: str | None):
     import datasets
 
@@ -320,7 +350,7 @@ def _read_raw(source, files: list[str] | None, split: str, text_sample_by: str, 
         return datasets.load_dataset(source, split=split, cache_dir=cache_dir)
     builders = {_builder(Path(f)) for f in files}
     if len(builders) > 1:
-        raise ValueError(f"data files mix formats {sorted(builders)}; give files of one format")
+        raise DataError(f"data files mix formats {sorted(builders)}; give files of one format")
     builder = builders.pop()
     kwargs = {"sample_by": text_sample_by} if builder == "text" else {}
     if len(files) == 1 or builder == "text":
@@ -330,7 +360,8 @@ def _read_raw(source, files: list[str] | None, split: str, text_sample_by: str, 
     parts = [datasets.load_dataset(builder, data_files=[f], split=split, cache_dir=cache_dir) for f in files]
     shared = [c for c in parts[0].column_names if all(c in p.column_names for p in parts[1:])]
     if not shared:
-        raise ValueError(f"the data files share no column: {[p.column_names for p in parts]}")
+        raise DataError(f"the data files share no column: {[p.column_names for p in parts]}; give files with the "
+                        "same text or conversations field")
     parts = [p.select_columns(shared) for p in parts]
     return datasets.concatenate_datasets([p.cast(parts[0].features) for p in parts])
 
@@ -349,36 +380,72 @@ def _check_missing(raw, column: str, source, max_fraction: float) -> int:
 
 
 def _find_column(found: list[str], text_field: str | None, conversations_field: str | None, source) -> tuple[str, str]:
-    """("conversations" | "text", column name), or a ValueError naming the fields found and expected."""
+    """("conversations" | "text", column name), or a DataError naming the fields found and expected."""
     where = f"dataset {source!r}" if isinstance(source, str | list) else "the dataset"
     for kind, name in (("conversations", conversations_field), ("text", text_field)):
         if name is not None:
             if name not in found:
-                raise ValueError(f"{where} has no field {name!r} (set by {kind}_field); fields found: {found}")
+                raise DataError(f"{where} has no field {name!r} (set by {kind}_field); fields found: {found}")
             return kind, name
     for kind, names in (("conversations", CONVERSATION_FIELDS), ("text", TEXT_FIELDS)):
         for name in names:
             if name in found:
                 return kind, name
-    raise ValueError(
+    raise DataError(
         f"{where} has fields {found}; expected a conversation field {list(CONVERSATION_FIELDS)} (a list of "
         f"{{'from', 'value'}} or {{'role', 'content'}} messages) or a text field {list(TEXT_FIELDS)}; "
         f"name another column with conversations_field= or text_field="
     )
 
 
-def _encode_rows(rows: dict[str, list], tokenizer, kind: str, column: str, max_length: int, too_long: TooLong):
+def _encode_rows(rows: dict[str, list], indices: list[int], tokenizer, kind: str, column: str, max_length: int,
+                 too_long: TooLong, source):
     out: dict[str, list] = {"input_ids": [], "loss_mask": []}
-    for sample in rows[column]:
+    for index, sample in zip(indices, rows[column], strict=True):
+        where = f"{source!r}, row {index + 1}"
         if kind == "conversations":
-            example = encode_conversation(normalize_messages(sample or []), tokenizer)
+            if sample is not None and not (isinstance(sample, list) and all(isinstance(m, dict) for m in sample)):
+                raise DataError(f"{where}: the {column!r} field holds {_kind_of(sample)}, not a list of messages "
+                                "({'role', 'content'} or {'from', 'value'} objects); fix the row or drop it")
+            try:
+                messages = normalize_messages(sample or [])
+            except ValueError as exc:
+                raise DataError(f"{where}: {exc}") from None
+            example = encode_conversation(messages, tokenizer)
         else:
+            if sample is not None and not isinstance(sample, str):
+                raise DataError(f"{where}: the {column!r} field holds {_kind_of(sample)}, not text; quote it as a "
+                                "string or drop the row")
             example = encode_text(sample or "", tokenizer)
         example = fit_length(example, max_length, too_long)
         if example is not None:
             out["input_ids"].append(example["input_ids"])
             out["loss_mask"].append(example["loss_mask"])
     return out
+
+
+def _kind_of(value) -> str:
+    shown, name = repr(value), type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name} ({shown[:40] + '...' if len(shown) > 40 else shown})"
+
+
+def _warn_if_replies_empty(raw, column: str, source, sample: int = 1000) -> None:
+    """Warn when most conversations (of the first ``sample``) have only empty assistant turns: the loss
+    would fall on the chat template's own tokens, and the head would learn the template, not replies."""
+    rows = raw.select_columns([column]).select(range(min(sample, len(raw))))[column]
+    with_replies = empty = 0
+    for messages in rows:
+        if not isinstance(messages, list):
+            continue
+        replies = [m for m in messages if isinstance(m, dict)
+                   and ROLES.get(str(m.get("role") or m.get("from")).lower()) == "assistant"]
+        if replies:
+            with_replies += 1
+            empty += all(not str(m.get("content") or m.get("value") or "").strip() for m in replies)
+    if with_replies and empty * 2 > with_replies:
+        warnings.warn(f"{empty} of the first {with_replies} conversations of {source!r} with assistant turns have "
+                      "only empty ones: the loss falls on the chat template's tokens alone; check "
+                      "data.conversations_field and the data", stacklevel=3)
 
 
 # ---------------------------------------------------------------------------------------------

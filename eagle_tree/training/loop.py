@@ -45,6 +45,7 @@ from eagle_tree.training.checkpoint import (
     latest_checkpoint,
     load_training_state,
     prune_checkpoints,
+    read_training_state,
     save_checkpoint,
 )
 from eagle_tree.training.config import EvalSection, TrainConfig
@@ -253,6 +254,7 @@ class _Run:
 
     # ------------------------------------------------------------------ setup
     def _resume_point(self) -> Path | None:
+        self.resume_state = None
         if self.cfg.resume is None:
             return None
         found = latest_checkpoint(self.out_dir) if self.cfg.resume == "latest" else Path(self.cfg.resume)
@@ -262,6 +264,8 @@ class _Run:
         if found is not None and not (found / STATE_NAME).is_file():
             raise FileNotFoundError(f"resume={self.cfg.resume}: {found} is not a checkpoint (no {STATE_NAME}); "
                                     f"give a folder OUTPUT_DIR/checkpoints/step-N, or resume=latest")
+        if found is not None:  # read safely and checked before the run folder is touched
+            self.resume_state = read_training_state(found, self.rank)
         return found
 
     def _check_resume(self) -> None:
@@ -310,7 +314,7 @@ class _Run:
             np.random.seed(seed)
             random.seed(seed)
             return
-        state = load_training_state(self.acc, self.resume_from, self.optimizer, self.scheduler)
+        state = load_training_state(self.acc, self.resume_from, self.optimizer, self.scheduler, self.resume_state)
         progress = state["progress"]
         self.step, self.tokens = state["step"], progress["tokens"]
         self.train_s = progress.get("train_s", 0.0)

@@ -3,6 +3,7 @@ problem and the fix (commands print it and exit with status 2, without a traceba
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -13,7 +14,7 @@ if TYPE_CHECKING:
 
 from eagle_tree.utils.config import ConfigValueError
 
-__all__ = ["InputError", "check_range", "check_ranges", "check_finite_weights", "nonfinite_weights",
+__all__ = ["InputError", "reading", "check_range", "check_ranges", "check_finite_weights", "nonfinite_weights",
            "check_target_path"]
 
 
@@ -38,6 +39,20 @@ def exit_on_input_error(prog: str, run, cfg, anticipated: tuple[type[BaseExcepti
         extra = interrupted() if interrupted is not None else ""
         print(f"{prog}: interrupted" + (f"; {extra}" if extra else ""), file=sys.stderr)
         return 130
+
+
+@contextlib.contextmanager
+def reading(what: str, fix: str = ""):
+    """Turn the errors of reading ``what`` (a file, a model folder) into one :class:`InputError` line
+    naming it and ``fix``: ValueError (JSON included), KeyError, TypeError and OSError. An InputError
+    raised inside passes unchanged; anything else keeps its traceback."""
+    try:
+        yield
+    except InputError:
+        raise
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        reason = f"no key {exc}" if isinstance(exc, KeyError) else (str(exc).strip().splitlines() or [""])[0]
+        raise InputError(f"{what}: {reason or exc.__class__.__name__}" + (f"; {fix}" if fix else "")) from exc
 
 
 def check_range(name: str, value, low: float, allow_none: bool = False, meaning: str = "",

@@ -95,6 +95,24 @@ def _prompt_text(row, where: str) -> str:
     return row["prompt"]
 
 
+def warn_if_foreign_tokenizer(tokenizer, vocab_size: int) -> bool:
+    """Warn (stderr) when the tokenizer knows fewer than half of the target's ``vocab_size`` ids: models pad
+    their vocabulary a little, never by half, so it most likely belongs to another model and the output
+    will be nonsense. Returns whether it warned."""
+    import sys
+
+    try:
+        size = len(tokenizer)
+    except TypeError:
+        return False
+    if size * 2 >= vocab_size:
+        return False
+    print(f"warning: the tokenizer has {size} tokens but the target's vocabulary has {vocab_size} ids: it most "
+          "likely belongs to another model (the continuations will be nonsense); use the target's own tokenizer",
+          file=sys.stderr, flush=True)
+    return True
+
+
 def encode_prompts(
     tokenizer,
     prompts: Sequence[str | Prompt],
@@ -111,6 +129,7 @@ def encode_prompts(
     ``max_prompt_tokens`` limit always keeps the last tokens."""
     import torch
 
+    warn_if_foreign_tokenizer(tokenizer, vocab_size)
     budget = None if max_positions is None else max_positions - max_new_tokens
     if budget is not None and budget < 1:
         raise PromptError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the target's "
