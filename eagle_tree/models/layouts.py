@@ -232,7 +232,10 @@ def read_head(path: str | Path, target_num_layers: int | None = None) -> tuple[E
         except (SafetensorError, OSError) as exc:
             raise ValueError(f"{weights} is truncated or corrupt ({exc}); export or download the head again") from exc
     elif (path / "pytorch_model.bin").is_file():
-        state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        from eagle_tree.utils.statefile import read_state
+
+        state = read_state(path / "pytorch_model.bin", "head weights file",
+                           fix="convert the head to model.safetensors or download it again")
     else:
         raise FileNotFoundError(f"{path} holds no {WEIGHTS_NAME} (or pytorch_model.bin)")
     renamed = {}

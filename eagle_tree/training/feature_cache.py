@@ -47,6 +47,7 @@ import torch
 
 from eagle_tree.training.data import iter_token_columns
 from eagle_tree.utils.atomic import atomic_file, write_bytes
+from eagle_tree.utils.checks import InputError
 
 FORMAT_VERSION = 1
 META_NAME = "meta.json"
@@ -63,8 +64,19 @@ __all__ = [
 ]
 
 
-class StaleCacheError(RuntimeError):
-    """A feature cache built for another dataset, target or draft vocabulary."""
+class StaleCacheError(InputError):
+    """A feature cache built for another dataset, target or draft vocabulary, or whose meta.json is unreadable."""
+
+
+def _read_meta(path: Path) -> dict:
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise StaleCacheError(f"{path} cannot be read ({exc}): delete the feature cache {path.parent} to rebuild it, "
+                              "or point features.cache_dir elsewhere") from None
+    if not isinstance(meta, dict):
+        raise StaleCacheError(f"{path} is not a feature cache's meta.json: delete {path.parent} to rebuild it")
+    return meta
 
 
 # ----------------------------------------------------------------------------- what the loss needs
@@ -168,7 +180,7 @@ class FeatureCache:
         meta_path = self.directory / META_NAME
         if not meta_path.is_file():
             raise FileNotFoundError(f"no feature cache at {self.directory} (no {META_NAME})")
-        self.meta = json.loads(meta_path.read_text())
+        self.meta = _read_meta(meta_path)
         if self.meta.get("format") != FORMAT_VERSION:
             raise StaleCacheError(f"feature cache {self.directory} has format {self.meta.get('format')}, "
                                   f"this version reads format {FORMAT_VERSION}; rebuild it")
@@ -217,7 +229,7 @@ class FeatureCache:
             if not (directory / META_NAME).is_file():
                 write_bytes(directory / META_NAME, (json.dumps(meta, indent=1) + "\n").encode())
         barrier()
-        meta = json.loads((directory / META_NAME).read_text())
+        meta = _read_meta(directory / META_NAME)
         _check_fingerprint(directory, meta, fingerprint)  # all ranks raise together on a stale cache
         per, t2d = meta["examples_per_shard"], torch.zeros(target.vocab_size, dtype=torch.bool)
         t2d[draft_ids] = True

@@ -207,12 +207,20 @@ def _now() -> str:
 def resume_changes(cfg, ckpt: Path, ckpt_step: int) -> list[str]:
     """Report the settings that differ between checkpoint ``ckpt`` and ``cfg``: one line per changed key
     with whether it takes effect. Raises RunFolderError listing the changes that cannot take effect."""
-    from eagle_tree.utils.config import config_to_dict
+    from eagle_tree.utils.config import ConfigError, config_to_dict, read_yaml
 
     path = ckpt / CONFIG_NAME
     if not path.is_file():
         return [f"{ckpt} holds no {CONFIG_NAME}: changed settings cannot be checked"]
-    before = _flat(yaml.safe_load(path.read_text()) or {})
+    try:
+        saved = read_yaml(path.read_text())
+    except (OSError, UnicodeDecodeError, ConfigError, yaml.YAMLError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
+        raise RunFolderError(f"{path} is not a config eagle-tree train wrote ({reason}): resume from another "
+                             "checkpoint, or start a new run") from None
+    if not isinstance(saved, dict | None):
+        raise RunFolderError(f"{path} holds a {type(saved).__name__}, not a config: resume from another checkpoint")
+    before = _flat(saved or {})
     after = _flat(json.loads(json.dumps(config_to_dict(cfg), default=str)))
     lines, refused = [], []
     for key in sorted(set(before) | set(after)):

@@ -44,6 +44,7 @@ def check_output_dir(
     unwritable place are refused even then.
     """
     path = Path(path)
+    _refuse_dangling_link(path, kind)
     if path.is_file() or (path.exists() and not path.is_dir()):
         raise OutputPathError(f"{path} is a file, but {kind} writes a folder there: choose another path "
                               "(or move the file away)")
@@ -85,6 +86,7 @@ def check_output_file(
     """Check that ``kind`` may write the file ``path``: not a folder, in a writable place, and either
     new, recognised by ``recognise`` as an earlier output of ``kind``, or ``overwrite``."""
     path = Path(path)
+    _refuse_dangling_link(path, kind)
     if path.is_dir():
         raise OutputPathError(f"{path} is a folder; {kind} writes a file there: name a file, e.g. {path / 'out.json'}")
     if not path.exists():
@@ -110,6 +112,12 @@ def written_by(path: str | Path) -> str | None:
         return json.loads((Path(path) / MARKER).read_text())["kind"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def _refuse_dangling_link(path: Path, kind: str) -> None:
+    if path.is_symlink() and not path.exists():
+        raise OutputPathError(f"{path} is a symbolic link to {os.readlink(path)}, which does not exist: {kind} cannot "
+                              "write through it; remove the link or choose another path")
 
 
 def _check_creatable(path: Path, kind: str) -> None:
