@@ -159,6 +159,11 @@ def load_models(cfg: DecodeConfig):
         with reading(f"shapes={cfg.shapes}", "rerun `eagle-tree bench` to write it, or point shapes= at its file"):
             tree = load_tuned_shape(cfg.shapes)
     if cfg.mode == "default":
+        defaults = Path(cfg.head) / "decoding.json"
+        with reading(f"{defaults} (the head's decoding defaults)", "delete it or rewrite it with `eagle-tree bench "
+                     "head_defaults=true`"):
+            if defaults.is_file() and not isinstance(json.loads(defaults.read_text()), dict):
+                raise ValueError("not a JSON object")
         with reading(f"{Path(cfg.head) / 'decoding.json'} (the head's decoding defaults)",
                      "delete it or rewrite it with `eagle-tree bench head_defaults=true`"):
             decoder = SpeculativeDecoder(target, head)  # no tree=: the shapes of the head folder's decoding.json
