@@ -150,7 +150,7 @@ DECODE_REFUSALS = [  # (overrides, words of the message); {r} is the fixture fol
     (["prompts={r}/notext.jsonl"], "notext.jsonl:1: expected a 'prompt' field"),
     (["prompts={r}/latin1.txt"], "latin1.txt is not UTF-8 text"),
     (["prompts={r}/missing.jsonl"], "missing.jsonl' does not exist"),
-    (["prompt=''"], "prompt 0 (prompt=) is empty after tokenization"),
+    (["prompt=''"], "config key prompt is blank ('')"),
     (["target={r}/no/such/target"], "no/such/target: no such folder"),
     (["target={r}/file.txt"], "file.txt is a file; expected a model folder"),
     (["target={r}/head"], "is an EAGLE-3 draft head, not a target model: pass it as head="),
