@@ -7,24 +7,22 @@ seed, start time) and every checkpoint it writes carries the run id. Rules:
 - ``resume`` compares the checkpoint's config with the new one and lists every changed key with whether
   it takes effect; changes that cannot take effect (data, target, head, optimiser hyper-parameters kept in
   the optimiser state, batch size, seed, a ``schedule.max_steps`` below the checkpoint's step) are refused;
-- a lock file (OUTPUT_DIR/train.lock, holding the writer's pid and host) stops a second writer; it is
-  released on exit, and the lock of a process that no longer runs is taken over with a warning.
+- a lock (an ``flock`` on OUTPUT_DIR/train.lock, through ``filelock``) stops a second writer; the kernel
+  releases it when the writer ends, however it ends.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import socket
-import sys
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+from filelock import FileLock, Timeout
 
 from eagle_tree.training.checkpoint import CONFIG_NAME, checkpoint_dirs, checkpoint_run_id
 from eagle_tree.utils.atomic import write_text
@@ -252,57 +250,27 @@ def _same(a, b) -> bool:
 
 
 class RunLock:
-    """OUTPUT_DIR/train.lock, created exclusively; a stale lock (its process is gone) is taken over."""
+    """OUTPUT_DIR/train.lock, held with an exclusive ``flock`` (``filelock``) while a training writes to the
+    folder. The kernel releases it when the process ends, however it ends (a kill included), so there is no
+    stale lock to take over; the empty file stays in the folder."""
 
     def __init__(self, out_dir: Path):
         self.path = out_dir / LOCK_FILE
-        self.held = False
+        self._lock = FileLock(self.path, timeout=0)
+
+    @property
+    def held(self) -> bool:
+        return self._lock.is_locked
 
     def acquire(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        me = {"pid": os.getpid(), "host": socket.gethostname()}
-        for _ in range(2):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                holder = self._holder()
-                if holder is not None and self._alive(holder):
-                    raise RunFolderError(
-                        f"another training (pid {holder.get('pid')} on {holder.get('host')}) is writing to "
-                        f"{self.path.parent}; wait for it or choose another output_dir (if no such process "
-                        f"runs, delete {self.path})") from None
-                print(f"[eagle-tree train] warning: taking over the stale lock {self.path} of pid "
-                      f"{(holder or {}).get('pid')}, which no longer runs", file=sys.stderr, flush=True)
-                self.path.unlink(missing_ok=True)
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-            self.held = True
-            return self
-        raise RunFolderError(f"could not take the lock {self.path}; another process is taking it at the same time")
-
-    def _holder(self) -> dict | None:
         try:
-            return json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return None
-
-    @staticmethod
-    def _alive(holder: dict) -> bool:
-        if holder.get("host") != socket.gethostname():
-            return True  # another machine's process cannot be checked: assume it runs
-        pid = holder.get("pid")
-        if not isinstance(pid, int) or pid == os.getpid():
-            return False
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+            self._lock.acquire()
+        except Timeout:
+            raise RunFolderError(f"another training is writing to {self.path.parent} (it holds {self.path}); wait "
+                                 "for it to end or choose another output_dir") from None
+        return self
 
     def release(self) -> None:
-        if self.held:
-            self.path.unlink(missing_ok=True)
-            self.held = False
+        if self._lock.is_locked:
+            self._lock.release(force=True)
