@@ -9,7 +9,7 @@ import eagle_tree as et
 from eagle_tree.commands.decode import main
 from eagle_tree.reference.tiny import char_tokenizer, tiny_causal_lm
 from eagle_tree.utils.prompts import PromptError, read_prompts
-from eagle_tree.utils.wandb_records import read_run
+from tests.wandb_records import read_run
 
 
 @pytest.fixture(scope="module")

@@ -420,7 +420,7 @@ def test_export_command(trained, exported, tmp_path, capsys):
 def test_head_artifact_is_logged_offline(exported, tmp_path, monkeypatch):
     from eagle_tree.models.export import log_head_artifact
     from eagle_tree.utils.tracking import RunLogger, WandbConfig
-    from eagle_tree.utils.wandb_records import read_run
+    from tests.wandb_records import read_run
 
     for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL", "NETRC"):
         monkeypatch.delenv(name, raising=False)

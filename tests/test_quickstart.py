@@ -12,7 +12,7 @@ from eagle_tree.decoding.shapes import save_decoding_defaults
 from eagle_tree.models.head import Eagle3DraftModel
 from eagle_tree.models.target import TargetModel
 from eagle_tree.reference.toy import build_toy
-from eagle_tree.utils.wandb_records import read_run
+from tests.wandb_records import read_run
 
 SHIPPED = Path(__file__).resolve().parents[1] / "assets" / "reference" / "head"
 

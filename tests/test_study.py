@@ -12,7 +12,7 @@ import pytest
 from eagle_tree.reference.toy import default_cache_dir
 from eagle_tree.training.study import StudyConfig, run_study, study_table
 from eagle_tree.utils.config import ConfigError, load_config
-from eagle_tree.utils.wandb_records import read_run
+from tests.wandb_records import read_run
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY_CACHE = str(default_cache_dir())

@@ -1,4 +1,4 @@
-"""RunLogger logs offline without credentials, and wandb_records reads exactly that back."""
+"""RunLogger logs offline without credentials, and the test oracle tests/wandb_records.py reads exactly that back."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import zlib
 import pytest
 
 from eagle_tree.utils.tracking import RunLogger, WandbConfig, resolve_mode
-from eagle_tree.utils.wandb_records import (
+from tests.wandb_records import (
     BLOCK_SIZE,
     HEADER,
     RecordFileError,
@@ -18,6 +18,7 @@ from eagle_tree.utils.wandb_records import (
     iter_payloads,
     read_records,
     read_run,
+    wait_for_exit_record,
 )
 
 STEPS = [{"train/loss": 2.5 - s / 3, "train/acc_0": s / 7, "train/tokens": 1000 * s} for s in range(4)]
@@ -56,6 +57,7 @@ def logged(tmp_path_factory):
             logger.summary({"eval/acceptance_length": 3.25})
             logger.log_artifact(checkpoint, "draft-head", "model", {"acceptance_length": 3.25})
         logger.finish()  # a second finish is a no-op
+    wait_for_exit_record(logger.run_dir)  # finish() does not wait for wandb-core to flush the file
     return logger.run_dir, home
 
 
@@ -191,7 +193,7 @@ def test_auto_mode(tmp_path, monkeypatch):
 def test_import_does_not_load_wandb():
     code = (
         "import sys\n"
-        "import eagle_tree.utils.config, eagle_tree.utils.tracking as t, eagle_tree.utils.wandb_records\n"
+        "import eagle_tree.utils.config, eagle_tree.utils.tracking as t\n"
         "with t.RunLogger(t.WandbConfig(mode='disabled')) as logger:\n"
         "    logger.log({'x': 1.0})\n"
         "print('wandb' in sys.modules)\n"

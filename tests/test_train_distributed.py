@@ -22,7 +22,7 @@ from eagle_tree.reference.toy import build_toy, default_cache_dir
 from eagle_tree.training.config import TrainConfig
 from eagle_tree.training.loop import train
 from eagle_tree.utils.config import load_config
-from eagle_tree.utils.wandb_records import read_run
+from tests.wandb_records import read_run
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.yaml"

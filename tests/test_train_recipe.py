@@ -17,7 +17,7 @@ from eagle_tree.training.config import TrainConfig
 from eagle_tree.training.loop import BUDGET_PROBE_STEPS
 from eagle_tree.utils.config import ConfigError, load_config
 from eagle_tree.utils.optim import lambda_schedule, lr_factor
-from eagle_tree.utils.wandb_records import read_run
+from tests.wandb_records import read_run
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.yaml"

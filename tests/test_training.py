@@ -23,7 +23,7 @@ from eagle_tree.training.loop import resolve_mixed_precision, train
 from eagle_tree.training.stream import DataStream
 from eagle_tree.utils.config import load_config
 from eagle_tree.utils.optim import lr_factor
-from eagle_tree.utils.wandb_records import read_run
+from tests.wandb_records import read_run
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.yaml"

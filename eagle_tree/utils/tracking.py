@@ -7,7 +7,7 @@ Mode ``"auto"`` (the default) follows ``WANDB_MODE`` when it is set; otherwise i
 API key is configured (``WANDB_API_KEY``, or a ``.netrc`` entry for the W&B host) and offline when
 not, so that machines without network or credentials still keep every run; upload later with
 ``wandb sync <run_dir>``. In ``"disabled"`` mode every method is a no-op and wandb is never imported.
-Offline runs can be read back with :mod:`eagle_tree.utils.wandb_records`.
+The tests read offline runs back with their own reader (``tests/wandb_records.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import netrc
 import os
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,34 +80,6 @@ def _to_list(values: Any) -> list:
     if hasattr(values, "ravel"):  # numpy
         return values.ravel().tolist()
     return list(values)
-
-
-def _wait_for_exit_record(run_dir: Path, timeout: float = 30.0) -> None:
-    """Block until wandb-core has flushed the run file through its exit record.
-
-    ``run.finish()`` returns before the service closes the file (it buffers up to a 32 KiB block), so
-    a file read straight after it can end mid-record.
-    """
-    from google.protobuf.message import DecodeError
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    from eagle_tree.utils.wandb_records import RecordFileError, find_run_file, iter_payloads
-
-    deadline, delay = time.monotonic() + timeout, 0.005
-    while True:
-        try:
-            for payload in reversed(list(iter_payloads(find_run_file(run_dir)))):
-                record = pb.Record()
-                record.ParseFromString(payload)
-                if record.WhichOneof("record_type") == "exit":
-                    return
-        except (OSError, RecordFileError, DecodeError):
-            pass
-        if time.monotonic() > deadline:
-            log.warning("wandb run file in %s still incomplete %.0f s after finish", run_dir, timeout)
-            return
-        time.sleep(delay)
-        delay = min(2 * delay, 0.25)
 
 
 class RunLogger:
@@ -218,7 +189,6 @@ class RunLogger:
         if self._run is not None:
             run, self._run = self._run, None
             run.finish(exit_code=exit_code)
-            _wait_for_exit_record(self.run_dir)
             if self.mode == "offline":
                 log.info("wandb offline run in %s; upload with `wandb sync %s`", self.run_dir, self.run_dir)
 

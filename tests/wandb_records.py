@@ -1,4 +1,4 @@
-"""Read an offline W&B run back from its ``run-<id>.wandb`` file (tests use it to prove what was logged).
+"""A test oracle: read an offline W&B run back from its ``run-<id>.wandb`` file, to prove what was logged.
 
     run = read_run(logger.run_dir)
     assert [row["train/loss"] for row in run.history if "train/loss" in row] == [1.25, 1.0]
@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RecordFileError", "OfflineRun", "iter_payloads", "read_records", "find_run_file", "read_run"]
+__all__ = ["RecordFileError", "OfflineRun", "iter_payloads", "read_records", "find_run_file", "read_run",
+           "wait_for_exit_record"]
 
 HEADER = b":W&B" + struct.pack("<HB", 0xBEE1, 0)
 BLOCK_SIZE = 32 * 1024
@@ -208,8 +210,36 @@ def _apply(tree: dict, update: Any) -> None:
         _remove(tree, _item_path(item))
 
 
-def read_run(run: str | Path) -> OfflineRun:
-    """Replay a run file (or run folder, see :func:`find_run_file`) into an :class:`OfflineRun`."""
+def wait_for_exit_record(run_dir: str | Path, timeout: float = 30.0) -> None:
+    """Block until wandb-core has flushed the run file through its exit record.
+
+    ``run.finish()`` returns before the service closes the file (it buffers up to a 32 KiB block), so
+    a file read straight after it can end mid-record.
+    """
+    from google.protobuf.message import DecodeError
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    deadline, delay = time.monotonic() + timeout, 0.005
+    while True:
+        try:
+            for payload in reversed(list(iter_payloads(find_run_file(run_dir)))):
+                record = pb.Record()
+                record.ParseFromString(payload)
+                if record.WhichOneof("record_type") == "exit":
+                    return
+        except (OSError, RecordFileError, DecodeError):
+            pass
+        if time.monotonic() > deadline:
+            return  # read what is there; the assertions on it will say what is missing
+        time.sleep(delay)
+        delay = min(2 * delay, 0.25)
+
+
+def read_run(run: str | Path, wait: bool = True) -> OfflineRun:
+    """Replay a run file (or run folder, see :func:`find_run_file`) into an :class:`OfflineRun`; first
+    waits for the run's exit record (``wait``) when given a folder or file of a finished run."""
+    if wait:
+        wait_for_exit_record(run)
     out = OfflineRun(path=find_run_file(run))
     for record in read_records(out.path):
         kind = record.WhichOneof("record_type")
