@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from eagle_tree.data.copying import copy_prompts
 from eagle_tree.models.head import Eagle3DraftModel
 from eagle_tree.models.target import TargetModel
-from eagle_tree.reference.copying import copy_prompts
 from eagle_tree.training.config import EvalSection
 from eagle_tree.training.evaluate import evaluate_acceptance
 from eagle_tree.utils.config import parse_cli

@@ -24,6 +24,7 @@ import torch
 import eagle_tree.models.target as target_module
 from eagle_tree.core.sampling import SamplingConfig
 from eagle_tree.core.tree import Tree
+from eagle_tree.data.tiny import tiny_causal_lm
 from eagle_tree.decoding.batch import Request
 from eagle_tree.decoding.context import ContextConfig
 from eagle_tree.decoding.decoder import SpeculativeDecoder
@@ -31,7 +32,6 @@ from eagle_tree.decoding.drafting import Drafter, TreeConfig
 from eagle_tree.models.cache import BatchCache
 from eagle_tree.models.head import Eagle3DraftModel
 from eagle_tree.models.target import TargetModel, rows_visibility
-from eagle_tree.reference.tiny import tiny_causal_lm
 from tests.test_decoder_exactness import ALPHA, SPROMPT, SV, _chi2_pvalue, _exact_laws, _sampling_head, _sampling_target
 
 VOCAB = 128

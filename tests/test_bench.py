@@ -137,7 +137,7 @@ def _models(assets, assistant_dir):
 
 
 def test_hf_rounds_are_counted_per_target_forward(assets, tmp_path):
-    from eagle_tree.reference.tiny import tiny_causal_lm
+    from eagle_tree.data.tiny import tiny_causal_lm
 
     models = _models(assets, assets["assistant"])
     ids = torch.tensor([models.tokenizer.encode("def main():\n    x =")])

@@ -261,7 +261,7 @@ def test_output_budgets_are_capped_to_the_positions():
 
 
 def test_context_prompts_have_the_exact_length():
-    from eagle_tree.reference.tiny import char_tokenizer
+    from eagle_tree.data.tiny import char_tokenizer
 
     tok = char_tokenizer()
     texts = ["abc", "defgh", "ij"]
@@ -278,7 +278,7 @@ def test_context_prompts_have_the_exact_length():
 
 @pytest.fixture(scope="module")
 def tiny_lm():
-    from eagle_tree.reference.tiny import tiny_causal_lm
+    from eagle_tree.data.tiny import tiny_causal_lm
 
     return tiny_causal_lm("llama", vocab_size=96, num_layers=2, attn_implementation="sdpa", initializer_range=0.2)
 

@@ -10,12 +10,12 @@ import torch
 from transformers import DynamicCache
 
 from eagle_tree.core.tree import Tree
+from eagle_tree.data.tiny import tiny_causal_lm
 from eagle_tree.decoding.decoder import RoundClock, SpeculativeDecoder
 from eagle_tree.decoding.drafting import Drafter, DrafterProtocol, TreeConfig
 from eagle_tree.models.cache import TargetCache
 from eagle_tree.models.head import Eagle3DraftModel
 from eagle_tree.models.target import TargetModel
-from eagle_tree.reference.tiny import tiny_causal_lm
 
 VOCAB = 64
 PARENTS = [-1, -1, 0, 0, 1, 2]

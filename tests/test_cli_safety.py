@@ -15,8 +15,8 @@ from eagle_tree.utils.outputs import MARKER
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """A tiny target (char tokenizer, 6 layers) and an untrained head on disk, and a prompt file."""
+    from eagle_tree.data.tiny import char_tokenizer, tiny_causal_lm
     from eagle_tree.models.head import Eagle3DraftModel
-    from eagle_tree.reference.tiny import char_tokenizer, tiny_causal_lm
 
     root = tmp_path_factory.mktemp("cli")
     tok = char_tokenizer()
@@ -119,8 +119,8 @@ def bad_inputs(models):
     """A head with a NaN weight, a small target (64 ids, 64 positions), and prompt files of every bad kind."""
     import torch
 
+    from eagle_tree.data.tiny import char_tokenizer, tiny_causal_lm
     from eagle_tree.models.head import Eagle3DraftModel
-    from eagle_tree.reference.tiny import char_tokenizer, tiny_causal_lm
 
     root = models
     head = Eagle3DraftModel.from_pretrained(root / "head")

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from eagle_tree.data import corpus
 from eagle_tree.reference import builder as ref
-from eagle_tree.reference import corpus
 
 
 def _fake_stdlib(root: Path, n: int = 40) -> Path:

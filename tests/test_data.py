@@ -15,6 +15,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
+from eagle_tree.data.rows import normalize_messages
 from eagle_tree.models.head_config import vocab_maps
 from eagle_tree.training.data import (
     DataConfig,
@@ -27,7 +28,6 @@ from eagle_tree.training.data import (
     epoch_order,
     fit_length,
     load_examples,
-    normalize_messages,
     token_frequencies,
 )
 

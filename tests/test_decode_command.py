@@ -7,7 +7,7 @@ import torch
 
 import eagle_tree as et
 from eagle_tree.commands.decode import main
-from eagle_tree.reference.tiny import char_tokenizer, tiny_causal_lm
+from eagle_tree.data.tiny import char_tokenizer, tiny_causal_lm
 from eagle_tree.utils.prompts import PromptError, read_prompts
 from tests.wandb_records import read_run
 

@@ -28,11 +28,11 @@ from eagle_tree import SamplingConfig, VerifyResult, processed_probs
 from eagle_tree.core.sampling import greedy_token
 from eagle_tree.core.tree import Tree
 from eagle_tree.core.verify import Proposal
+from eagle_tree.data.tiny import FAMILIES, tiny_causal_lm
 from eagle_tree.decoding.decoder import SpeculativeDecoder
 from eagle_tree.decoding.drafting import TreeConfig
 from eagle_tree.models.head import Eagle3DraftModel
 from eagle_tree.models.target import TargetModel
-from eagle_tree.reference.tiny import FAMILIES, tiny_causal_lm
 
 GREEDY = SamplingConfig(temperature=0.0)
 PROMPT = [5, 17, 99, 3, 42, 8]

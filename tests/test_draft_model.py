@@ -16,12 +16,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle_tree import SamplingConfig
+from eagle_tree.data.tiny import tiny_causal_lm
 from eagle_tree.decoding.decoder import SpeculativeDecoder
 from eagle_tree.decoding.drafting import Drafter, TreeConfig
 from eagle_tree.models.head import Eagle3DraftModel
 from eagle_tree.models.head_config import Eagle3Config, vocab_maps
 from eagle_tree.models.target import TargetModel, default_feature_layers
-from eagle_tree.reference.tiny import tiny_causal_lm
 
 PROMPT = [4, 90, 17, 3, 66, 21, 8]
 DRAFT_VOCAB = [100, 3, 7, 7, 64, 8, 21, 90, 5, 0, 127, 44, 17, 66, 12, 30]  # unsorted, one duplicate

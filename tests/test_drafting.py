@@ -20,10 +20,10 @@ from scipy.stats import chi2
 
 from eagle_tree import SamplingConfig, processed_probs
 from eagle_tree.core.verify import Proposal
+from eagle_tree.data.tiny import tiny_causal_lm
 from eagle_tree.decoding.drafting import DraftCache, Drafter, TreeConfig
 from eagle_tree.models.head import Eagle3DraftModel
 from eagle_tree.models.target import TargetModel
-from eagle_tree.reference.tiny import tiny_causal_lm
 
 ATOL = 1e-5
 VOCAB = 64

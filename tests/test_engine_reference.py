@@ -43,10 +43,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from eagle_tree.data.tiny import tiny_causal_lm
 from eagle_tree.models.export import export_head
 from eagle_tree.models.head import Eagle3DraftModel
 from eagle_tree.models.target import TargetModel
-from eagle_tree.reference.tiny import tiny_causal_lm
 
 PROMPT = [5, 17, 99, 3, 64, 21, 8, 120, 33, 7]
 NUM_LAYERS = 8  # the engines' default layers (2, 4, 5) are valid from 7 layers

@@ -21,11 +21,11 @@ from transformers import AutoConfig, LlamaConfig
 
 import eagle_tree as et
 from eagle_tree.commands.export import main as export_main
+from eagle_tree.data.tiny import tiny_causal_lm
 from eagle_tree.decoding.drafting import Drafter
 from eagle_tree.models.export import export_head
 from eagle_tree.models.layouts import LAYOUTS, engine_feature_layers, expected_shapes, read_config
 from eagle_tree.models.target import TargetModel
-from eagle_tree.reference.tiny import tiny_causal_lm
 from eagle_tree.training.ttt import ttt_forward
 
 GOLDEN = Path(__file__).parent / "golden"

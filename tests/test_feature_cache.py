@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import eagle_tree as et
+from eagle_tree.data.tiny import tiny_causal_lm
 from eagle_tree.models.target import TargetModel
-from eagle_tree.reference.tiny import tiny_causal_lm
 from eagle_tree.training.data import batches
 from eagle_tree.training.feature_cache import (
     FeatureCache,

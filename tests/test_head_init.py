@@ -7,10 +7,10 @@ import functools
 import pytest
 import torch
 
+from eagle_tree.data.tiny import tiny_causal_lm
 from eagle_tree.models.head import Eagle3DraftModel
 from eagle_tree.models.head_init import INIT_PARTS, check_init_parts
 from eagle_tree.models.target import TargetModel
-from eagle_tree.reference.tiny import tiny_causal_lm
 
 DRAFT_VOCAB = [0, 3, 5, 7, 8, 12, 17, 21, 30, 44, 64, 66, 90, 100, 127]
 

@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "eagle_tree"
-LEVELS = {"utils": 0, "core": 1, "models": 2, "decoding": 3, "training": 4, "bench": 4, "reference": 4,
+LEVELS = {"utils": 0, "core": 1, "models": 2, "decoding": 3, "data": 3, "training": 4, "bench": 4, "reference": 4,
           "commands": 5, "cli": 6, "__init__": 6}
 
 
@@ -45,6 +45,33 @@ def test_imports_go_downwards_only():
             if parts and _level(parts) > here:
                 bad.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {module}")
     assert not bad, "imports that go up the layout:\n" + "\n".join(bad)
+
+
+def _folder_imports(path: Path, here: tuple[str, ...] | None = None) -> list[tuple[int, str]]:
+    """(line, folder) of every import of another folder at the same level (lazy ones included); ``here``:
+    the module's place in the package (default: from ``path``)."""
+    here = here or path.relative_to(PACKAGE).with_suffix("").parts
+    out = []
+    for line, module, _ in _imports(path):
+        parts = module.split(".")[1:]
+        if parts and parts[0] != here[0] and len(here) > 1 and _level(parts) == _level(list(here)):
+            out.append((line, parts[0]))
+    return out
+
+
+def test_folders_of_one_level_do_not_import_each_other():
+    """training, bench and reference (level 4), decoding and data (level 3) are siblings: what two of them
+    share lives a level lower (the toy target, the corpus and the row reader in data/)."""
+    bad = [f"{path.relative_to(PACKAGE.parent)}:{line} imports eagle_tree.{folder}"
+           for path in _files() for line, folder in _folder_imports(path)]
+    assert not bad, "imports between sibling folders:\n" + "\n".join(bad)
+
+
+def test_the_checker_sees_a_sibling_import(tmp_path):
+    """Negative control: a lazy import of reference from a training module is found, one of data is not."""
+    f = tmp_path / "m.py"
+    f.write_text("def f():\n    from eagle_tree.reference.builder import x\n    from eagle_tree.data.toy import y\n")
+    assert _folder_imports(f, here=("training", "m")) == [(2, "reference")]
 
 
 def test_no_private_names_imported_across_modules():

@@ -12,7 +12,7 @@ import torch
 
 import eagle_tree as et
 from eagle_tree import Tree
-from eagle_tree.reference.tiny import tiny_causal_lm
+from eagle_tree.data.tiny import tiny_causal_lm
 
 
 def test_sampling_config_and_processed_probs():

@@ -6,12 +6,12 @@ from pathlib import Path
 import pytest
 
 from eagle_tree.commands.quickstart import main
+from eagle_tree.data.toy import build_toy
 from eagle_tree.decoding.context import ContextConfig
 from eagle_tree.decoding.drafting import TreeConfig
 from eagle_tree.decoding.shapes import save_decoding_defaults
 from eagle_tree.models.head import Eagle3DraftModel
 from eagle_tree.models.target import TargetModel
-from eagle_tree.reference.toy import build_toy
 from tests.wandb_records import read_run
 
 SHIPPED = Path(__file__).resolve().parents[1] / "assets" / "reference" / "head"

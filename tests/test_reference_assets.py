@@ -131,7 +131,7 @@ def test_shipped_models_share_one_tokenizer_and_fit_the_size_limit():
 
 @needs_assets
 def test_prompts_are_held_out_by_file():
-    from eagle_tree.reference.corpus import Manifest
+    from eagle_tree.data.corpus import Manifest
 
     manifest = Manifest.load(ASSETS / "manifest.json")
     train = set(manifest.paths("train"))

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
+from eagle_tree.data.tiny import tiny_causal_lm
 from eagle_tree.reference.regenerate import RegenerateConfig, make_jobs, regenerate
-from eagle_tree.reference.tiny import tiny_causal_lm
 from tests.test_data import make_tokenizer
 
 TEXTS = ["the quick brown fox jumps over the lazy dog " * 2, "Hello! How can I help?", "", "Tell me a joke",

@@ -21,7 +21,7 @@ from eagle_tree.commands.decode import main as decode_main
 from eagle_tree.commands.export import main as export_main
 from eagle_tree.commands.regenerate import main as regenerate_main
 from eagle_tree.commands.train import main as train_main
-from eagle_tree.reference.tiny import char_tokenizer, tiny_causal_lm
+from eagle_tree.data.tiny import char_tokenizer, tiny_causal_lm
 from eagle_tree.training.checkpoint import STATE_NAME
 from eagle_tree.training.rundir import LOCK_FILE
 from tests.test_train_robustness import FAST, SMOKE, lock_is_free
@@ -468,7 +468,8 @@ def test_an_empty_data_path_is_refused_with_the_key(tmp_path, capsys):
 
 
 def test_conversations_that_are_not_message_lists_name_the_row(tmp_path):
-    from eagle_tree.training.data import DataError, load_examples
+    from eagle_tree.data.rows import DataError
+    from eagle_tree.training.data import load_examples
     from tests.test_data import make_tokenizer
 
     data = write(tmp_path / "conv.jsonl", json.dumps({"conversations": "hello there"}) + "\n")

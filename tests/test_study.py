@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle_tree.reference.toy import default_cache_dir
+from eagle_tree.data.toy import default_cache_dir
 from eagle_tree.training.study import StudyConfig, run_study, study_table
 from eagle_tree.utils.config import ConfigError, load_config
 from tests.wandb_records import read_run

@@ -14,8 +14,8 @@ import torch
 from transformers import DynamicCache, LlamaConfig
 
 from eagle_tree.core.tree import Tree
+from eagle_tree.data.tiny import FAMILIES, tiny_causal_lm
 from eagle_tree.models.target import TargetModel, TargetOutput, default_feature_layers
-from eagle_tree.reference.tiny import FAMILIES, tiny_causal_lm
 
 ATOL = 1e-5
 VOCAB = 128

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle_tree.reference.toy import build_toy, default_cache_dir
+from eagle_tree.data.toy import build_toy, default_cache_dir
 from eagle_tree.training.config import TrainConfig
 from eagle_tree.training.loop import train
 from eagle_tree.utils.config import load_config

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from eagle_tree.commands.train import main
-from eagle_tree.reference.copying import COPY_STYLES, copy_prompts
-from eagle_tree.reference.toy import default_cache_dir
+from eagle_tree.data.copying import COPY_STYLES, copy_prompts
+from eagle_tree.data.toy import default_cache_dir
 from eagle_tree.training.config import TrainConfig
 from eagle_tree.training.loop import BUDGET_PROBE_STEPS
 from eagle_tree.utils.config import ConfigError, load_config
@@ -144,9 +144,9 @@ def test_heldout_agreement_counts_the_continuation_positions_only():
     top token for j+2, over the positions j+2 >= start whose target top token is in the draft vocabulary."""
     import torch
 
+    from eagle_tree.data.tiny import tiny_causal_lm
     from eagle_tree.models.head import Eagle3DraftModel
     from eagle_tree.models.target import TargetModel
-    from eagle_tree.reference.tiny import tiny_causal_lm
     from eagle_tree.training.evaluate import heldout_agreement
     from eagle_tree.training.feature_cache import example_targets
 

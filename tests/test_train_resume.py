@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle_tree.reference.toy import default_cache_dir
+from eagle_tree.data.toy import default_cache_dir
 from eagle_tree.training.checkpoint import latest_checkpoint
 from eagle_tree.training.config import TrainConfig
 from eagle_tree.training.loop import train

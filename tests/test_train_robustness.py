@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle_tree.reference.toy import default_cache_dir
+from eagle_tree.data.rows import DataError, load_raw
+from eagle_tree.data.toy import default_cache_dir
 from eagle_tree.training import checkpoint as ckpt_mod
 from eagle_tree.training.checkpoint import CheckpointWriteError, latest_checkpoint, prune_checkpoints
 from eagle_tree.training.config import TrainConfig
-from eagle_tree.training.data import DataError, load_examples, load_raw
+from eagle_tree.training.data import load_examples
 from eagle_tree.training.loop import TrainingDiverged, TTTLoss, train
 from eagle_tree.training.rundir import RUN_FILE, RunFolderError, RunLock
 from eagle_tree.utils.atomic import temp_prefix
@@ -90,7 +91,7 @@ def test_help_prints_the_real_defaults():
 
 
 def tokenizer():
-    from eagle_tree.reference.toy import ToyConfig, toy_tokenizer
+    from eagle_tree.data.toy import ToyConfig, toy_tokenizer
 
     return toy_tokenizer(ToyConfig())
 

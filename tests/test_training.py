@@ -14,7 +14,7 @@ import torch
 
 import eagle_tree as et
 from eagle_tree.commands.train import main
-from eagle_tree.reference.toy import default_cache_dir
+from eagle_tree.data.toy import default_cache_dir
 from eagle_tree.training.checkpoint import latest_checkpoint
 from eagle_tree.training.config import TrainConfig
 from eagle_tree.training.data import batches
@@ -247,7 +247,7 @@ def test_training_configs_load(name):
 
 def test_import_stays_light():
     code = ("import sys, eagle_tree, eagle_tree.training.loop, eagle_tree.training.feature_cache, "
-            "eagle_tree.reference.toy, eagle_tree.commands.train\n"
+            "eagle_tree.data.toy, eagle_tree.commands.train\n"
             "heavy = [m for m in ('wandb', 'datasets', 'accelerate') if m in sys.modules]\n"
             "assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -268,7 +268,7 @@ def test_recipe_runs(tmp_path, monkeypatch, capsys):
 def test_stdlib_corpus_source_is_chunked_by_whole_lines(tmp_path, monkeypatch):
     """data.path 'stdlib:MANIFEST#SPLIT' (the reference config's data): the split's files, verified against
     the manifest, cut at line ends into chunks of about 3 * max_length characters that rebuild the files."""
-    from eagle_tree.reference import corpus
+    from eagle_tree.data import corpus
     from eagle_tree.training.resolve import resolve_data
 
     src = tmp_path / "lib"

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import eagle_tree as et
+from eagle_tree.data.tiny import FAMILIES, tiny_causal_lm
 from eagle_tree.decoding.drafting import Drafter
 from eagle_tree.models.target import TargetModel
-from eagle_tree.reference.tiny import FAMILIES, tiny_causal_lm
 from eagle_tree.training.ttt import simulated_acceptance_length, ttt_forward
 
 

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
+from eagle_tree.data import corpus
 from eagle_tree.reference import builder as ref
-from eagle_tree.reference import corpus
 from eagle_tree.utils.atomic import write_text
 from eagle_tree.utils.checks import check_ranges
 from eagle_tree.utils.config import parse_cli

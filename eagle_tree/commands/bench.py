@@ -138,8 +138,8 @@ def build_tiny_assets(folder: str | Path) -> dict[str, Path]:
         return paths
     check_output_dir(folder, "tiny_assets build", writes=[p.name for p in paths.values()],
                      replaces_folder=True, option=None)
+    from eagle_tree.data.tiny import char_tokenizer, tiny_causal_lm
     from eagle_tree.models.head import Eagle3DraftModel
-    from eagle_tree.reference.tiny import char_tokenizer, tiny_causal_lm
 
     with atomic_dir(folder) as tmp:
         tok = char_tokenizer()

@@ -15,8 +15,8 @@ PROG = "eagle-tree regenerate"
 
 
 def main(argv: list[str]) -> int:
+    from eagle_tree.data.rows import DataError
     from eagle_tree.reference.regenerate import RegenerateConfig
-    from eagle_tree.training.data import DataError
     from eagle_tree.utils.checks import exit_on_input_error
 
     cfg = parse_cli(RegenerateConfig, argv, prog=PROG)

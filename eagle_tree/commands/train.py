@@ -16,9 +16,9 @@ PROG = "eagle-tree train"
 
 
 def main(argv: list[str]) -> int:
+    from eagle_tree.data.rows import DataError
     from eagle_tree.training.checkpoint import CheckpointWriteError
     from eagle_tree.training.config import TrainConfig
-    from eagle_tree.training.data import DataError
     from eagle_tree.training.loop import TrainingDiverged
     from eagle_tree.training.rundir import RunFolderError
     from eagle_tree.utils.checks import exit_on_input_error

@@ -26,7 +26,7 @@ from typing import Literal
 import torch
 
 from eagle_tree.core.sampling import SamplingConfig
-from eagle_tree.training.data import CONVERSATION_FIELDS, TEXT_FIELDS, normalize_messages
+from eagle_tree.data.rows import CONVERSATION_FIELDS, TEXT_FIELDS, normalize_messages
 from eagle_tree.utils.atomic import write_text
 
 MARKER = "_batch_done"  # key of the line that ends each finished batch in OUTPUT.partial
@@ -91,8 +91,8 @@ def read_rows(data: str, limit: int | None = None, chunk_chars: int = 768, every
     """Input rows as dicts (``datasets`` does the reading; 'stdlib:' specs are chunked first)."""
     import tempfile
 
-    from eagle_tree.reference.corpus import split_jsonl
-    from eagle_tree.training.data import load_raw
+    from eagle_tree.data.corpus import split_jsonl
+    from eagle_tree.data.rows import load_raw
 
     if data.startswith("stdlib:"):
         data = str(split_jsonl(data, Path(tempfile.gettempdir()) / "eagle_tree_regenerate", chunk_chars))

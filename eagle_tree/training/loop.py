@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from eagle_tree.data.rows import DataError
 from eagle_tree.training.checkpoint import (
     CONFIG_NAME,
     STATE_NAME,
@@ -49,7 +50,6 @@ from eagle_tree.training.checkpoint import (
     save_checkpoint,
 )
 from eagle_tree.training.config import EvalSection, TrainConfig
-from eagle_tree.training.data import DataError
 from eagle_tree.training.evaluate import evaluate_acceptance
 from eagle_tree.training.resolve import load_target, read_copy_prompts, read_prompts, resolve_data
 from eagle_tree.training.rundir import RunLock, claim_output_dir, resume_changes

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from eagle_tree.reference.corpus import split_jsonl
+from eagle_tree.data.corpus import split_jsonl
 from eagle_tree.training.config import TrainConfig
 from eagle_tree.training.data import DataConfig
 
@@ -19,7 +19,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def _toy_assets(cfg: TrainConfig):
-    from eagle_tree.reference.toy import build_toy
+    from eagle_tree.data.toy import build_toy
 
     return build_toy(cfg.target.toy, cfg.target.toy_cache_dir)
 
@@ -67,11 +67,11 @@ def read_prompts(cfg: TrainConfig) -> list[str]:
 
 
 def read_copy_prompts(cfg: TrainConfig) -> list[str]:
-    """The copying prompts (``eval.copy_prompts``: a style of eagle_tree.reference.copying or a file)."""
+    """The copying prompts (``eval.copy_prompts``: a style of eagle_tree.data.copying or a file)."""
     spec, n = cfg.eval.copy_prompts, cfg.eval.copy_num_prompts
     if spec is None:
         return []
-    from eagle_tree.reference.copying import COPY_STYLES, copy_prompts
+    from eagle_tree.data.copying import COPY_STYLES, copy_prompts
 
     if spec in COPY_STYLES:
         return copy_prompts(spec, n, seed=0)

@@ -148,7 +148,7 @@ def toy_prompts(cfg: ToyConfig, documents: list[str], seed: int) -> list[str]:
 
 def train_toy_target(cfg: ToyConfig, tokenizer, documents: list[str]):
     """A fresh tiny Llama trained on ``documents`` (next-token cross-entropy, AdamW); returns (model, losses)."""
-    from eagle_tree.reference.tiny import tiny_causal_lm
+    from eagle_tree.data.tiny import tiny_causal_lm
 
     model = tiny_causal_lm(
         "llama", vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
