@@ -5,7 +5,7 @@
 
 Runs the training evaluation (eagle_tree.training.evaluate) outside training: tokens committed per round
 with a chain of ``chain_length`` and a tree, on the first ``num_prompts`` prompts; the copying set
-(``reference/copying.py``) with a chain of ``copy_chain_length``; and the head's top-1 agreement with the
+(``data/copying.py``) with a chain of ``copy_chain_length``; and the head's top-1 agreement with the
 target per draft step on the target's greedy continuations of the prompts. Prints one JSON object.
 """
 
@@ -51,7 +51,7 @@ class HeadReportConfig:
     tree_total_tokens: int = 8
     """nodes of the tree"""
     copy_prompts: str = "code"
-    """the copying set's style (reference/copying.py)"""
+    """the copying set's style (data/copying.py)"""
     copy_num_prompts: int = 8
     """copying prompts"""
     copy_chain_length: int = 6

@@ -534,3 +534,19 @@ def test_sigterm_in_train_stops_with_one_line(tmp_path):
     last = [line for line in err.splitlines() if line.startswith("eagle-tree train:")]
     assert len(last) == 1 and "resume=latest" in last[0] and "checkpoints/step-" in last[0]
     assert "Traceback" not in err and lock_is_free(out)
+
+
+def test_an_unexpected_error_keeps_its_traceback():
+    """The boundary converts only what it anticipates: a bug still surfaces with its traceback."""
+    from eagle_tree.utils.checks import InputError, exit_on_input_error
+
+    def broken(cfg):
+        raise RuntimeError("a bug")
+
+    with pytest.raises(RuntimeError, match="a bug"):
+        exit_on_input_error("eagle-tree probe", broken, None)
+
+    def refused(cfg):
+        raise InputError("x=1 is refused: set x=2")
+
+    assert exit_on_input_error("eagle-tree probe", refused, None) == 2
