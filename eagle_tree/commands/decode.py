@@ -164,8 +164,6 @@ def load_models(cfg: DecodeConfig):
                      "head_defaults=true`"):
             if defaults.is_file() and not isinstance(json.loads(defaults.read_text()), dict):
                 raise ValueError("not a JSON object")
-        with reading(f"{Path(cfg.head) / 'decoding.json'} (the head's decoding defaults)",
-                     "delete it or rewrite it with `eagle-tree bench head_defaults=true`"):
             decoder = SpeculativeDecoder(target, head)  # no tree=: the shapes of the head folder's decoding.json
         if not decoder.defaults:
             raise InputError(f"mode=default: {cfg.head} holds no decoding.json; tune one with `eagle-tree bench "
