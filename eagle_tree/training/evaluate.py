@@ -10,6 +10,8 @@ from typing import Any
 import torch
 
 from eagle_tree.training.config import EvalSection
+from eagle_tree.training.feature_cache import example_targets
+from eagle_tree.training.ttt import ttt_forward
 
 __all__ = ["evaluate_acceptance", "heldout_agreement"]
 
@@ -63,9 +65,6 @@ def heldout_agreement(target, draft, sequences: list[tuple[torch.Tensor, int]], 
     """Top-1 agreement of the head with the target at each training-time-test step (as ``train/acc_s``) on
     ``sequences``: (token ids (T,), start) pairs, the predicted tokens at positions >= start counted
     (token-weighted over every sequence)."""
-    from eagle_tree.training.feature_cache import example_targets
-    from eagle_tree.training.ttt import ttt_forward
-
     was_training = draft.training
     draft.eval()
     agree, count = [0.0] * steps, [0] * steps

@@ -7,6 +7,9 @@ from collections.abc import Iterator
 
 import torch
 
+from eagle_tree.training.data import batches
+from eagle_tree.training.feature_cache import example_targets
+
 __all__ = ["DataStream", "pad_targets", "batch_targets"]
 
 
@@ -22,8 +25,6 @@ class DataStream:
         return {"epoch": self.epoch, "index": self.index}
 
     def next(self):
-        from eagle_tree.training.data import batches
-
         while True:
             if self._it is None:
                 self._it = batches(self.examples, self.batch_size, self.seed, self.epoch, pad_id=self.pad_id,
@@ -53,8 +54,6 @@ def pad_targets(rows: list[tuple[torch.Tensor, torch.Tensor]], width: int) -> tu
 
 def batch_targets(batch, target=None, cache=None, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(features (B, T, 3H), logits (B, T, V) float32) of a data.Batch, online or from a FeatureCache."""
-    from eagle_tree.training.feature_cache import example_targets
-
     rows = []
     for row, i in enumerate(batch.indices):
         if cache is not None:
