@@ -18,11 +18,13 @@ draft vocabulary: they are left out of the loss and of the accuracy (the head ca
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from eagle_tree.models.head import Eagle3DraftModel
+if TYPE_CHECKING:  # annotations only: importing the head loads transformers' modeling code
+    from eagle_tree.models.head import Eagle3DraftModel
 
 
 @dataclass
