@@ -34,19 +34,23 @@ def shard(module: nn.Module) -> nn.Module:
     return module
 
 
+def _is_fsdp2(module: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule  # public from torch 2.6 on
+    except ImportError:
+        return False
+    return isinstance(module, FSDPModule)
+
+
 def is_sharded(acc, module: nn.Module) -> bool:
     """Whether parameters and optimiser state are split across processes (accelerate's FSDP or :func:`shard`)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return acc.distributed_type.name == "FSDP" or isinstance(module, FSDPModule)
+    return acc.distributed_type.name == "FSDP" or _is_fsdp2(module)
 
 
 def full_state_dict(acc, module: nn.Module) -> dict:
     """The full state dict of the training module on the main process (every process must call it:
     sharded parameters are gathered); other processes get an empty or partial dict."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if not isinstance(module, FSDPModule):
+    if not _is_fsdp2(module):
         return acc.get_state_dict(module)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
