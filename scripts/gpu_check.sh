@@ -15,14 +15,14 @@ cd "$(dirname "$0")/.."
 WHEELS=.gpu-wheels
 TRANSFORMERS=5.24.0
 HUB=1.33.0
+PY=${PYTHON:-$(command -v python || command -v python3)}
 
 if [[ "${1:-}" == "--fetch-wheels" ]]; then
-  python -m pip download --no-deps -d "$WHEELS" "transformers==$TRANSFORMERS" "huggingface_hub==$HUB"
+  "$PY" -m pip download --no-deps -d "$WHEELS" "transformers==$TRANSFORMERS" "huggingface_hub==$HUB"
   ls -l "$WHEELS"
   exit 0
 fi
 
-PY=${PYTHON:-python}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the working tree, whether or not the install below works
 export TOKENIZERS_PARALLELISM=false
 
@@ -64,7 +64,7 @@ if needs_transformers; then
 fi
 
 if ! "$PY" -c "import importlib.metadata as m; m.version('eagle-tree')" 2>/dev/null; then
-  "$PY" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
+  "$PY" -m pip install -q --no-deps --no-index --no-build-isolation -e . >/dev/null 2>&1 \
     || echo "gpu_check: 'pip install --no-deps -e .' failed here (no setuptools?); running from the working tree"
 fi
 

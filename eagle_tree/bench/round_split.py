@@ -90,8 +90,10 @@ def random_target(shape: str, dtype: torch.dtype, device: torch.device, seed: in
         torch.manual_seed(seed)
         if device.type == "cuda":
             torch.cuda.manual_seed(seed)
-        with torch.device(device):
+        with torch.device(device):  # initialised where it runs: an 8B model is not built on the host first
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    if next(model.parameters()).device.type != device.type:
+        model.to(device)
     return TargetModel(model.eval())
 
 
