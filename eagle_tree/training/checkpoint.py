@@ -110,8 +110,10 @@ def save_checkpoint(acc, cfg: TrainConfig, module, draft, optimizer, scheduler, 
     from eagle_tree.utils.config import save_config
 
     rng = gather_object(acc, _rng_state())
-    weights = acc.get_state_dict(module)  # the full state dict on the main process (FSDP gathers)
-    sharded = acc.distributed_type.name == "FSDP"
+    from eagle_tree.training.sharding import full_state_dict, is_sharded
+
+    weights = full_state_dict(acc, module)  # the full state dict on the main process (FSDP gathers)
+    sharded = is_sharded(acc, module)
     root = Path(cfg.output_dir) / "checkpoints"
     final = root / f"step-{step}"
     try:

@@ -57,6 +57,7 @@ from eagle_tree.training.evaluate import evaluate_acceptance
 from eagle_tree.training.feature_cache import FeatureCache
 from eagle_tree.training.resolve import load_target, read_copy_prompts, read_prompts, resolve_data
 from eagle_tree.training.rundir import RunLock, claim_output_dir, resume_changes
+from eagle_tree.training.sharding import cpu_fsdp_requested, full_state_dict, shard
 from eagle_tree.training.stream import DataStream, batch_targets
 from eagle_tree.training.ttt import simulated_acceptance_length, ttt_forward
 from eagle_tree.utils.atomic import write_text
@@ -214,7 +215,7 @@ class _Run:
 
     def evaluate(self) -> None:
         """Real acceptance lengths (chain and tree) of the current head, logged with the survival curves."""
-        weights = self.acc.get_state_dict(self.module) if self.prompts_given else None  # collective (FSDP)
+        weights = full_state_dict(self.acc, self.module) if self.prompts_given else None  # collective (FSDP)
         if self.main and (self.prompt_ids or self.copy_ids):
             t0 = time.perf_counter()
             head = full_head(self.draft, weights).to(self.acc.device)
@@ -261,7 +262,7 @@ class _Run:
     def finish(self, wall: float) -> TrainResult:
         """Save the final head (DIR/final, with the resolved config), the summary, and close the W&B run."""
         tokens_per_rank = self._tokens_per_rank()
-        weights = self.acc.get_state_dict(self.module)
+        weights = full_state_dict(self.acc, self.module)
         final_dir = self.out_dir / "final"
         if self.main:
             full_head(self.draft, weights).save_pretrained(final_dir)
@@ -327,10 +328,19 @@ class _Run:
         self.total_steps = self.budget.total_steps(planned)
         self.train_s = 0.0  # seconds spent in optimiser steps (evaluations and checkpoints not counted)
         self.eval_clock = EvalClock(cfg.eval.every_minutes)
+        module = TTTLoss(draft, cfg.ttt.steps, cfg.ttt.decay)
+        cpu_fsdp = cpu_fsdp_requested(acc)
+        if cpu_fsdp:  # accelerate would use DDP here: shard with torch's fully_shard (training/sharding.py)
+            if self.main:
+                print("[eagle-tree train] FSDP on CPU processes: the head sharded by torch's fully_shard", flush=True)
+            shard(module)  # before the optimiser sees the parameters
         self.optimizer = adamw(draft, o.lr, o.weight_decay, o.betas, o.eps)
         self.scheduler = lambda_schedule(self.optimizer, s.warmup_steps, lambda: self.total_steps, s.kind,
                                          s.min_lr_ratio)
-        self.module, self.optimizer = acc.prepare(TTTLoss(draft, cfg.ttt.steps, cfg.ttt.decay), self.optimizer)
+        if cpu_fsdp:
+            self.module = module
+        else:
+            self.module, self.optimizer = acc.prepare(module, self.optimizer)
         self.draft = acc.unwrap_model(self.module).draft
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.stream = DataStream(self.examples, o.batch_size, cfg.seed, pad_id)
