@@ -68,4 +68,4 @@ if ! "$PY" -c "import importlib.metadata as m; m.version('eagle-tree')" 2>/dev/n
     || echo "gpu_check: 'pip install --no-deps -e .' failed here (no setuptools?); running from the working tree"
 fi
 
-exec "$PY" -m eagle_tree.bench.gpu_check "$@"
+exec "$PY" -m eagle_tree.commands.gpu_check "$@"

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle_tree.bench import gpu_check, law
+from eagle_tree.bench import law
+from eagle_tree.commands import gpu_check
 from eagle_tree.core.sampling import SamplingConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,6 +1,6 @@
 """The prepared device check: exactness, the round split and a head training step, in one command.
 
-``bash scripts/gpu_check.sh [--out DIR]`` runs ``python -m eagle_tree.bench.gpu_check`` (docs/MEASURING.md,
+``bash scripts/gpu_check.sh [--out DIR]`` runs ``python -m eagle_tree.commands.gpu_check`` (docs/MEASURING.md,
 "The device check"). It is written for a GPU lent for a few minutes with nothing but an image of
 torch, transformers, accelerate, safetensors, tokenizers, numpy and pytest, so it imports nothing
 else (no W&B, datasets, matplotlib or scipy), and it rehearses on CPU (``--device cpu --small``, tiny
