@@ -39,9 +39,9 @@ from eagle_tree.cli import main as cli_main
 from eagle_tree.commands.bench import build_tiny_assets
 from eagle_tree.commands.bench_serving import QUICK, ServingBenchConfig
 from eagle_tree.core.sampling import SamplingConfig
-from eagle_tree.decoding.batch import BatchOutput, RequestResult
 from eagle_tree.decoding.decoder import SpeculativeDecoder
 from eagle_tree.decoding.drafting import TreeConfig
+from eagle_tree.decoding.rounds import BatchOutput, RequestResult
 from eagle_tree.decoding.shapes import shape_name
 from eagle_tree.utils.config import ConfigError, load_config
 
@@ -71,7 +71,7 @@ class FakeDecoder:
         return (4 + rows * (1 + self.n)) / 1000
 
     def generate_batch(self, prompts, max_new_tokens, sampling=None, seed=0, eos_token_id=None):
-        from eagle_tree.decoding.batch import Request
+        from eagle_tree.decoding.rounds import Request
 
         return self.serve([Request(p, max_new_tokens) for p in prompts], max_batch=len(prompts))
 

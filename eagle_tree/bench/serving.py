@@ -1,7 +1,7 @@
 """The serving sweep (``eagle-tree bench serving``): batched and continuous-load decoding, measured.
 
 Every method decodes a batch of requests through one call that returns a
-:class:`~eagle_tree.decoding.batch.BatchOutput` (per-request token times): eagle-tree's
+:class:`~eagle_tree.decoding.rounds.BatchOutput` (per-request token times): eagle-tree's
 ``SpeculativeDecoder.generate_batch`` (plain decoding, draft=None, and the head's chain and tree
 shapes) and Hugging Face's batched ``generate`` over left-padded prompts (eagle_tree.bench.hf). The
 continuous-load mode drives ``SpeculativeDecoder.serve`` with Poisson arrivals.
@@ -33,9 +33,9 @@ from eagle_tree.bench.hf import hf_generate_batch
 from eagle_tree.bench.memory import PeakMemory
 from eagle_tree.bench.runner import BenchModels
 from eagle_tree.core.sampling import SamplingConfig
-from eagle_tree.decoding.batch import BatchOutput, Request
 from eagle_tree.decoding.context import ContextConfig
 from eagle_tree.decoding.drafting import TreeConfig
+from eagle_tree.decoding.rounds import BatchOutput, Request
 from eagle_tree.decoding.shapes import shape_name
 
 NONE = "none"
