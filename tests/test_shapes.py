@@ -15,7 +15,6 @@ from eagle_tree.decoding.shapes import (
     pick_best,
     save_tuned_shapes,
     selection,
-    shape_name,
 )
 
 
@@ -24,9 +23,9 @@ def _m(tree, c, k, rounds=10):
 
 
 def test_shape_names():
-    assert shape_name(TreeConfig.chain(4)) == "chain-4"
-    assert shape_name(TreeConfig(depth=6, top_k=8, total_tokens=48)) == "tree-d6k8n48"
-    assert shape_name(TreeConfig(depth=3, top_k=2, total_tokens=6, sampled=True)) == "tree-d3k2n6-sampled"
+    assert TreeConfig.chain(4).name == "chain-4"
+    assert TreeConfig(depth=6, top_k=8, total_tokens=48).name == "tree-d6k8n48"
+    assert TreeConfig(depth=3, top_k=2, total_tokens=6, sampled=True).name == "tree-d3k2n6-sampled"
 
 
 def test_marginal_rule_by_hand():

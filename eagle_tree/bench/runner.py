@@ -29,7 +29,6 @@ from eagle_tree.bench.memory import PeakMemory
 from eagle_tree.core.sampling import SamplingConfig
 from eagle_tree.decoding.decoder import GenerateOutput, SpeculativeDecoder
 from eagle_tree.decoding.drafting import TreeConfig
-from eagle_tree.decoding.shapes import shape_name
 from eagle_tree.models.target import TargetModel
 
 
@@ -57,8 +56,8 @@ class Method:
             if self.tree is None:
                 return "head defaults (decoding.json)" if self.head else "no draft"
             if not self.head:
-                return "context only, " + shape_name(self.tree).split("+", 1)[1]
-            return shape_name(self.tree)
+                return "context only, " + self.tree.name.split("+", 1)[1]
+            return self.tree.name
         if self.assistant:
             return "assistant model"
         return f"prompt lookup, {self.prompt_lookup_tokens} tokens" if self.prompt_lookup_tokens else "no draft"
@@ -69,14 +68,14 @@ HF_GENERATE = Method("hf_generate", "hf")
 
 
 def eagle_method(tree: TreeConfig) -> Method:
-    return Method(shape_name(tree), "eagle", tree=tree)
+    return Method(tree.name, "eagle", tree=tree)
 
 
 def context_only_method(tree: TreeConfig) -> Method:
     """Context branches without a head: a prompt-lookup decoder in eagle-tree's loop."""
     if tree.context is None:
         raise ValueError("a context-only method needs TreeConfig(context=ContextConfig(...))")
-    return Method(f"context-only-{shape_name(tree).split('+', 1)[1]}", "eagle", tree=tree, use_head=False)
+    return Method(f"context-only-{tree.name.split('+', 1)[1]}", "eagle", tree=tree, use_head=False)
 
 
 HEAD_DEFAULTS = Method("head_defaults", "eagle", use_head=True)

@@ -9,7 +9,7 @@ continuous-load mode drives ``SpeculativeDecoder.serve`` with Poisson arrivals.
 The pieces, each usable alone:
 
 - shapes and methods by name: ``none`` (plain), ``chain-4``, ``tree-d4k4n16`` (``-sampled``, ``+ctx8``
-  as in :func:`~eagle_tree.decoding.shapes.shape_name`), ``hf_generate``, ``tuned``;
+  as ``TreeConfig.name`` spells them), ``hf_generate``, ``tuned``;
 - :func:`context_prompts`: requests of an exact prompt length built from a prompt file;
 - :func:`batch_figures`: the per-cell figures (throughput, TTFT, latency, TPOT, gaps, acceptance);
 - :func:`pick_tuned` and :func:`crossover_batch_size`: the tuned shape per batch size and where it
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import random
-import re
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,10 +32,9 @@ from eagle_tree.bench.hf import hf_generate_batch
 from eagle_tree.bench.memory import PeakMemory
 from eagle_tree.bench.runner import BenchModels
 from eagle_tree.core.sampling import SamplingConfig
-from eagle_tree.decoding.context import ContextConfig
 from eagle_tree.decoding.drafting import TreeConfig
+from eagle_tree.decoding.metrics import quantile
 from eagle_tree.decoding.rounds import BatchOutput, Request
-from eagle_tree.decoding.shapes import shape_name
 
 NONE = "none"
 """The candidate shape name of plain decoding (no draft)."""
@@ -45,37 +43,10 @@ TUNED = "tuned"
 HF_GENERATE = "hf_generate"
 PLAIN = "plain"
 
-_SHAPE = re.compile(r"^(?:chain-(?P<chain>\d+)|tree-d(?P<depth>\d+)k(?P<top_k>\d+)n(?P<total>\d+))"
-                    r"(?P<sampled>-sampled)?(?:\+ctx(?P<lookup>\d+)(?:x(?P<branches>\d+))?)?$")
-
-
 def parse_shape(name: str) -> TreeConfig | None:
-    """The draft shape a name stands for: ``none`` -> None (plain decoding), ``chain-4``,
-    ``tree-d4k4n16``, with ``-sampled`` and ``+ctx8`` / ``+ctx8x2`` (context branches, other settings at
-    their defaults) as :func:`shape_name` writes them. Raises ValueError naming the expected forms."""
-    if name == NONE:
-        return None
-    match = _SHAPE.match(name)
-    tree = None
-    if match:
-        sampled = match["sampled"] is not None
-        context = None
-        if match["lookup"]:
-            context = ContextConfig(lookup_tokens=int(match["lookup"]), branches=int(match["branches"] or 1))
-        try:
-            if match["chain"]:
-                tree = TreeConfig(depth=int(match["chain"]), top_k=1, total_tokens=int(match["chain"]),
-                                  sampled=sampled, context=context)
-            else:
-                tree = TreeConfig(depth=int(match["depth"]), top_k=int(match["top_k"]),
-                                  total_tokens=int(match["total"]), sampled=sampled, context=context)
-        except ValueError as exc:
-            raise ValueError(f"shape {name!r}: {exc}") from exc
-    if tree is None or shape_name(tree) != name:
-        raise ValueError(f"{name!r} is not a draft shape: expected 'none' (plain decoding), 'chain-N' or "
-                         "'tree-dDEPTHkTOPKnTOTAL' (e.g. chain-4, tree-d4k4n16), optionally with '-sampled' and "
-                         "'+ctxN' or '+ctxNxBRANCHES'")
-    return tree
+    """The draft shape a name stands for: ``none`` -> None (plain decoding), else
+    ``TreeConfig.from_name`` (``chain-4``, ``tree-d4k4n16``, ``-sampled``, ``+ctx8x2-g2to4``, ...)."""
+    return None if name == NONE else TreeConfig.from_name(name)
 
 
 @dataclass(frozen=True)
@@ -91,7 +62,7 @@ class ServingMethod:
     def shape(self) -> str:
         if self.kind == "hf":
             return "hf generate (no draft)"
-        return NONE if self.tree is None else shape_name(self.tree)
+        return NONE if self.tree is None else self.tree.name
 
 
 def shape_method(shape: str) -> ServingMethod:
@@ -186,20 +157,6 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
 # ---------------------------------------------------------------------------------- figures
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-quantile (0 <= q <= 1) by linear interpolation between order statistics (numpy's default
-    and torch.quantile's); None for no values."""
-    if not 0 <= q <= 1:
-        raise ValueError(f"q must be in [0, 1], got {q}")
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = q * (len(ordered) - 1)
-    low = math.floor(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
 def _mean(values: Sequence[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
@@ -223,11 +180,11 @@ def batch_figures(outputs: Sequence[BatchOutput]) -> dict[str, Any]:
         "throughput_tok_s": tokens / total if total > 0 else None,
         "ttft_mean_s": _mean([r.ttft_s for r in results]),
         "latency_mean_s": _mean(latencies),
-        "latency_p50_s": percentile(latencies, 0.5),
-        "latency_p95_s": percentile(latencies, 0.95),
+        "latency_p50_s": quantile(latencies, 0.5),
+        "latency_p95_s": quantile(latencies, 0.95),
         "tpot_mean_s": _mean([r.tpot_s for r in results if r.new_tokens > 1]),
-        "gap_p50_s": percentile(gaps, 0.5),
-        "gap_p95_s": percentile(gaps, 0.95),
+        "gap_p50_s": quantile(gaps, 0.5),
+        "gap_p95_s": quantile(gaps, 0.95),
         "acceptance_length": sum(rounds) / len(rounds) if rounds else None,
         "queue_mean_s": _mean([r.admitted_s - r.arrival_s for r in results]),
         "eos_stops": sum(r.stopped_by == "eos" for r in results),

@@ -26,6 +26,7 @@ follows head nodes), so turning the context on never changes the head's part of 
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -35,6 +36,9 @@ import torch
 from eagle_tree.core.sampling import SamplingConfig
 from eagle_tree.core.tree import ROOT, Tree
 from eagle_tree.core.verify import Proposal, VerifyRule
+
+_NAME = re.compile(r"^ctx(?P<lookup>\d+)(?:x(?P<branches>\d+))?(?:-g(?P<low>\d+)to(?P<high>\d+))?"
+                   r"(?P<headfirst>-headfirst)?$")
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,33 @@ class ContextConfig:
             raise ValueError(f"ContextConfig.min_ngram ({self.min_ngram}) must be <= max_ngram ({self.max_ngram})")
         if self.first not in ("context", "head"):
             raise ValueError(f"ContextConfig.first must be 'context' or 'head', got {self.first!r}")
+
+    @property
+    def name(self) -> str:
+        """The one spelling of these settings, read back by :meth:`from_name`: ``ctx8`` (8 tokens
+        copied), ``ctx8x2`` (2 branches), then ``-g2to4`` for n-gram lengths other than the default 1..4
+        and ``-headfirst`` when the head's children are checked first."""
+        default = ContextConfig()
+        name = f"ctx{self.lookup_tokens}" + (f"x{self.branches}" if self.branches > 1 else "")
+        if (self.min_ngram, self.max_ngram) != (default.min_ngram, default.max_ngram):
+            name += f"-g{self.min_ngram}to{self.max_ngram}"
+        return name + ("-headfirst" if self.first == "head" else "")
+
+    @classmethod
+    def from_name(cls, name: str) -> ContextConfig:
+        """The settings :attr:`name` spells; a ValueError names the expected form otherwise."""
+        match = _NAME.match(name)
+        config = None
+        if match:
+            default = cls()
+            config = cls(lookup_tokens=int(match["lookup"]), branches=int(match["branches"] or 1),
+                         min_ngram=int(match["low"] or default.min_ngram),
+                         max_ngram=int(match["high"] or default.max_ngram),
+                         first="head" if match["headfirst"] else "context")
+        if config is None or config.name != name:
+            raise ValueError(f"{name!r} is not a context setting: expected 'ctxN', optionally 'xBRANCHES', "
+                             "'-gLOWtoHIGH' (n-gram lengths other than 1 to 4) and '-headfirst' (e.g. ctx8x2-g2to4)")
+        return config
 
     @property
     def max_nodes(self) -> int:

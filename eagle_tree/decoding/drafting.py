@@ -23,6 +23,7 @@ tree goes to the host in one transfer per round.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -34,6 +35,9 @@ from eagle_tree.core.verify import Proposal, VerifyRule
 from eagle_tree.decoding.context import ContextConfig
 from eagle_tree.models.cache import DraftCache
 from eagle_tree.models.head import Eagle3DraftModel
+
+_NAME = re.compile(r"^(?:chain-(?P<chain>\d+)|tree-d(?P<depth>\d+)k(?P<top_k>\d+)n(?P<total>\d+))"
+                   r"(?P<sampled>-sampled)?$")
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,39 @@ class TreeConfig:
     def chain(cls, length: int, sampled: bool = False) -> TreeConfig:
         """A chain of ``length`` draft tokens: the tree with one child per node."""
         return cls(depth=length, top_k=1, total_tokens=length, sampled=sampled)
+
+    @property
+    def name(self) -> str:
+        """The one spelling of this shape, read back by :meth:`from_name`: ``chain-4`` or
+        ``tree-d6k8n48``, ``-sampled`` appended for Gumbel-top-k draws, ``+`` and the context's name
+        (``+ctx8``, ``+ctx8x2-g2to4``, ...) for context branches."""
+        name = f"chain-{self.depth}" if self.is_chain else f"tree-d{self.depth}k{self.top_k}n{self.total_tokens}"
+        name += "-sampled" if self.sampled else ""
+        return name + (f"+{self.context.name}" if self.context is not None else "")
+
+    @classmethod
+    def from_name(cls, name: str) -> TreeConfig:
+        """The shape :attr:`name` spells (one name per shape: a chain spelled as a tree is refused); a
+        ValueError names the expected forms otherwise."""
+        shape, _, context = name.partition("+")
+        match = _NAME.match(shape)
+        tree = None
+        if match:
+            try:
+                ctx = ContextConfig.from_name(context) if context else None
+                if match["chain"]:
+                    n = int(match["chain"])
+                    tree = cls(depth=n, top_k=1, total_tokens=n, sampled=bool(match["sampled"]), context=ctx)
+                else:
+                    tree = cls(depth=int(match["depth"]), top_k=int(match["top_k"]), total_tokens=int(match["total"]),
+                               sampled=bool(match["sampled"]), context=ctx)
+            except ValueError as exc:
+                raise ValueError(f"shape {name!r}: {exc}") from exc
+        if tree is None or tree.name != name:
+            raise ValueError(f"{name!r} is not a draft shape: expected 'chain-N' or 'tree-dDEPTHkTOPKnTOTAL' (e.g. "
+                             "chain-4, tree-d4k4n16), optionally with '-sampled' and '+' and a context setting "
+                             "('ctxN', 'ctxNxBRANCHES', '-gLOWtoHIGH', '-headfirst')")
+        return tree
 
     @property
     def is_chain(self) -> bool:

@@ -14,7 +14,7 @@ shapes=PATH`` decodes with the shape selected there (:func:`load_tuned_shape`)::
     tree = load_tuned_shape("results/bench/shapes.json")         # the overall best, chain or tree
 
 Context branches (``TreeConfig.context``) are tuned the same way: a shape with context is one more
-candidate, named ``chain-4+ctx8`` (``+ctx8x2`` for two branches). The marginal tables follow each
+candidate, named ``chain-4+ctx8`` (``+ctx8x2`` for two branches; ``TreeConfig.name``). The marginal tables follow each
 context setting's own growth sequence.
 
 A head's folder can carry its decoding defaults in ``decoding.json`` (in the manner of
@@ -33,31 +33,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from eagle_tree.decoding.context import ContextConfig
 from eagle_tree.decoding.drafting import TreeConfig
 from eagle_tree.utils.atomic import write_text
 
 SHAPES_FORMAT = "eagle-tree/shapes/v1"
 DECODING_FORMAT = "eagle-tree/decoding/v1"
 DECODING_FILE = "decoding.json"
-
-
-def context_name(context: ContextConfig) -> str:
-    """``ctx8`` (8 tokens copied), ``ctx8x2`` (2 branches), then ``-g2to4`` for n-gram lengths other than
-    the default 1..4 and ``-headfirst`` when the head's children are checked first."""
-    default = ContextConfig()
-    name = f"ctx{context.lookup_tokens}" + (f"x{context.branches}" if context.branches > 1 else "")
-    if (context.min_ngram, context.max_ngram) != (default.min_ngram, default.max_ngram):
-        name += f"-g{context.min_ngram}to{context.max_ngram}"
-    return name + ("-headfirst" if context.first == "head" else "")
-
-
-def shape_name(tree: TreeConfig) -> str:
-    """``chain-4`` or ``tree-d6k8n48`` (``-sampled`` appended for Gumbel-top-k trees, ``+ctx8`` for
-    context branches)."""
-    name = f"chain-{tree.depth}" if tree.is_chain else f"tree-d{tree.depth}k{tree.top_k}n{tree.total_tokens}"
-    name += "-sampled" if tree.sampled else ""
-    return name + (f"+{context_name(tree.context)}" if tree.context is not None else "")
 
 
 @dataclass(frozen=True)
@@ -78,7 +59,7 @@ class ShapeMeasurement:
 
     @property
     def name(self) -> str:
-        return shape_name(self.tree)
+        return self.tree.name
 
     @property
     def time_per_token(self) -> float:
@@ -193,7 +174,7 @@ def _growth_sequences(measurements: Sequence[ShapeMeasurement]) -> dict[str, lis
     for m in measurements:
         kind = "chain" if m.tree.is_chain else "tree"
         if m.tree.context is not None:
-            kind += f"+{context_name(m.tree.context)}"
+            kind += f"+{m.tree.context.name}"
         sequences.setdefault(kind, []).append(m)
     return {kind: growth_order(seq) for kind, seq in sequences.items()}
 
@@ -250,7 +231,7 @@ def save_decoding_defaults(folder: str | Path, tree: TreeConfig, greedy: bool, *
     on which prompts) is stored beside it. Returns the written dict."""
     path = Path(folder) / DECODING_FILE
     data = _read_decoding(path) or {"format": DECODING_FORMAT}
-    data["greedy" if greedy else "sampling"] = {"tree": asdict(tree), "name": shape_name(tree), "source": source}
+    data["greedy" if greedy else "sampling"] = {"tree": asdict(tree), "name": tree.name, "source": source}
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text(path, json.dumps(data, indent=2, allow_nan=False) + "\n")
     return data
