@@ -35,13 +35,13 @@ from eagle_tree.bench.serving import (
     poisson_arrivals,
 )
 from eagle_tree.cli import main as cli_main
-from eagle_tree.commands.bench import build_tiny_assets
 from eagle_tree.commands.bench_serving import QUICK, ServingBenchConfig
 from eagle_tree.core.sampling import SamplingConfig
 from eagle_tree.decoding.decoder import SpeculativeDecoder
 from eagle_tree.decoding.drafting import TreeConfig
 from eagle_tree.decoding.metrics import quantile
 from eagle_tree.decoding.rounds import BatchOutput, RequestResult
+from eagle_tree.reference.tiny import build_tiny_assets
 from eagle_tree.utils.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle_tree.commands.bench import BenchConfig, build_tiny_assets, candidate_shapes, main
+from eagle_tree.commands.bench import BenchConfig, candidate_shapes, main
 from eagle_tree.decoding.context import ContextConfig
 from eagle_tree.decoding.decoder import SpeculativeDecoder
 from eagle_tree.decoding.drafting import TreeConfig
@@ -24,6 +24,7 @@ from eagle_tree.decoding.shapes import (
     selection,
 )
 from eagle_tree.models.head import Eagle3DraftModel
+from eagle_tree.reference.tiny import build_tiny_assets
 from eagle_tree.utils.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -196,3 +196,34 @@ def run_phase(
             log(f"[{phase} {i + 1}/{len(calls)}] repeat {r} prompt {p} {method.name}: {out.new_tokens} tokens "
                 f"in {out.total_s:.3f} s")
     return PhaseResult(phase, list(methods), outputs, peaks, schedule, memory_method)
+
+
+def load_bench_models(target: str, head: str | None, methods, dtype: str, device: str = "cpu",
+                      assistant: str | None = None, assistant_tokens: int | None = None) -> BenchModels:
+    """BenchModels: the target and head through the decoders' loader (``load_decoder``), plus the
+    assistant model when ``methods`` hold hf_assisted; moved to ``device``."""
+    from eagle_tree.decoding.loading import load_decoder
+    from eagle_tree.utils.checks import InputError, check_finite_weights, check_target_path
+
+    wants_head = any(m in methods for m in ("chain", "tree", "head_defaults"))
+    if wants_head and head is None:
+        raise InputError("methods chain / tree need a draft head: set head=PATH or drop them from `methods`")
+    if "hf_assisted" in methods:
+        if assistant is None:
+            raise InputError("method hf_assisted needs an assistant model: set assistant=PATH or drop it")
+        check_target_path(assistant, "assistant")
+    head = head if wants_head else None
+    decoder, tokenizer = load_decoder(target, head, "tree" if head else "plain", dtype, TreeConfig())
+    model, draft = decoder.target, decoder.draft
+    helper = None
+    if "hf_assisted" in methods:
+        from transformers import AutoModelForCausalLM
+
+        helper = AutoModelForCausalLM.from_pretrained(assistant, dtype=getattr(torch, dtype)).eval()
+        check_finite_weights(helper, f"the assistant model in {assistant}")
+    if device != "cpu":
+        model.model.to(device)
+        for module in (draft, helper):
+            if module is not None:
+                module.to(device)
+    return BenchModels(model, tokenizer, head=draft, assistant=helper, assistant_tokens=assistant_tokens)

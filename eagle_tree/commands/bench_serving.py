@@ -248,7 +248,7 @@ def run(cfg: ServingBenchConfig) -> int:
 
     from eagle_tree.bench.machine import conditions
     from eagle_tree.bench.serving import HF_GENERATE, TUNED, Sweep, context_prompts
-    from eagle_tree.commands.bench import build_tiny_assets
+    from eagle_tree.reference.tiny import build_tiny_assets
     from eagle_tree.utils.checks import InputError
     from eagle_tree.utils.outputs import check_output_dir, mark_output_dir
     from eagle_tree.utils.prompts import read_prompts
