@@ -23,17 +23,15 @@ from eagle_tree.bench import hf as hf_module
 from eagle_tree.bench.hf import hf_generate, hf_generate_batch, left_pad
 from eagle_tree.bench.runner import BenchModels
 from eagle_tree.bench.serving import (
-    NONE,
     Sweep,
     batch_figures,
     context_prompts,
-    crossover_batch_size,
     output_budgets,
     parse_method,
     parse_shape,
-    pick_tuned,
     poisson_arrivals,
 )
+from eagle_tree.bench.tuning import NONE, crossover_batch_size, pick_tuned
 from eagle_tree.cli import main as cli_main
 from eagle_tree.commands.bench_serving import QUICK, ServingBenchConfig
 from eagle_tree.core.sampling import SamplingConfig

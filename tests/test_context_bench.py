@@ -11,18 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagle_tree.bench.tuning import ShapeMeasurement, save_tuned_shapes, selection
 from eagle_tree.commands.bench import BenchConfig, candidate_shapes, main
 from eagle_tree.decoding.context import ContextConfig
 from eagle_tree.decoding.decoder import SpeculativeDecoder
 from eagle_tree.decoding.drafting import TreeConfig
-from eagle_tree.decoding.shapes import (
-    ShapeMeasurement,
-    load_decoding_defaults,
-    load_tuned_shape,
-    save_decoding_defaults,
-    save_tuned_shapes,
-    selection,
-)
+from eagle_tree.decoding.shapes import load_decoding_defaults, load_tuned_shape, save_decoding_defaults
 from eagle_tree.models.head import Eagle3DraftModel
 from eagle_tree.reference.tiny import build_tiny_assets
 from eagle_tree.utils.config import load_config

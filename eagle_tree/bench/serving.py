@@ -31,13 +31,12 @@ import torch
 from eagle_tree.bench.hf import hf_generate_batch
 from eagle_tree.bench.memory import PeakMemory
 from eagle_tree.bench.runner import BenchModels
+from eagle_tree.bench.tuning import NONE, crossover_batch_size, pick_tuned
 from eagle_tree.core.sampling import SamplingConfig
 from eagle_tree.decoding.drafting import TreeConfig
 from eagle_tree.decoding.metrics import quantile
 from eagle_tree.decoding.rounds import BatchOutput, Request
 
-NONE = "none"
-"""The candidate shape name of plain decoding (no draft)."""
 TUNED = "tuned"
 """The method that runs, per context and batch size, the shape the tuning pass picked."""
 HF_GENERATE = "hf_generate"
@@ -190,24 +189,6 @@ def batch_figures(outputs: Sequence[BatchOutput]) -> dict[str, Any]:
         "eos_stops": sum(r.stopped_by == "eos" for r in results),
         "cache_peak_mb": max((o.peak_cache_bytes for o in outputs), default=0) / 2**20 or None,
     }
-
-
-def pick_tuned(throughputs: Mapping[str, float]) -> str:
-    """The candidate shape with the highest throughput (the first one listed on a tie)."""
-    if not throughputs:
-        raise ValueError("no candidate shape was measured")
-    return max(throughputs, key=lambda name: throughputs[name])
-
-
-def crossover_batch_size(tuned: Mapping[int, str]) -> int | None:
-    """The smallest batch size from which on the tuned shape is plain decoding (``none``) at every
-    larger batch size measured; None when speculation still wins at the largest one."""
-    crossover = None
-    for batch in sorted(tuned, reverse=True):
-        if tuned[batch] != NONE:
-            break
-        crossover = batch
-    return crossover
 
 
 # ---------------------------------------------------------------------------------- running

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Literal
 
 from eagle_tree.bench.mtbench import MTBenchSection
+from eagle_tree.bench.tuning import CHAIN_LENGTHS, TREES
 from eagle_tree.commands.decode import GenerationOptions
 from eagle_tree.decoding.context import ContextConfig
 from eagle_tree.decoding.drafting import TreeConfig
@@ -68,11 +69,9 @@ class BenchConfig(GenerationOptions):
     """Passes over the tuning prompts."""
     warmup: int = 1
     """Prompts every method decodes first in each phase, unrecorded."""
-    chain_lengths: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8])
+    chain_lengths: list[int] = field(default_factory=lambda: list(CHAIN_LENGTHS))
     """Candidate chain lengths."""
-    trees: list[TreeConfig] = field(default_factory=lambda: [
-        TreeConfig(depth=4, top_k=4, total_tokens=16), TreeConfig(depth=5, top_k=6, total_tokens=32),
-        TreeConfig(depth=6, top_k=8, total_tokens=48)])
+    trees: list[TreeConfig] = field(default_factory=lambda: list(TREES))
     """Candidate trees (depth, top_k, total_tokens, sampled)."""
     contexts: list[ContextConfig] = field(default_factory=list)
     """Context settings (lookup_tokens, max_ngram, min_ngram, branches, first): every candidate shape is
@@ -141,13 +140,11 @@ def baseline_methods(cfg: BenchConfig):
 
 
 def candidate_shapes(cfg: BenchConfig) -> list[TreeConfig]:
-    """Chains and trees, each without context and with every `contexts` entry."""
-    from dataclasses import replace
+    """The tuning candidates of the config (``eagle_tree.bench.tuning.candidate_shapes``)."""
+    from eagle_tree.bench.tuning import candidate_shapes as candidates
 
-    shapes = [TreeConfig.chain(n, sampled=False) for n in cfg.chain_lengths] if "chain" in cfg.methods else []
-    shapes += list(cfg.trees) if "tree" in cfg.methods else []
-    shapes += [replace(s, context=c) for c in cfg.contexts for s in shapes if s.context is None]
-    return list(dict.fromkeys(shapes))
+    return candidates(cfg.chain_lengths if "chain" in cfg.methods else [], cfg.trees if "tree" in cfg.methods else [],
+                      cfg.contexts)
 
 
 def _decoding_folders(cfg: BenchConfig, out_dir: Path) -> list[Path]:
@@ -157,9 +154,9 @@ def _decoding_folders(cfg: BenchConfig, out_dir: Path) -> list[Path]:
 
 def tune_shapes(cfg: BenchConfig, models, tuning_ids, out_dir: Path, **common):
     """Run every candidate shape on the tuning prompts; write shapes.json; return (its dict, selection)."""
-    from eagle_tree.bench.aggregate import shape_measurements
     from eagle_tree.bench.runner import eagle_method, run_phase
-    from eagle_tree.decoding.shapes import save_decoding_defaults, save_tuned_shapes, selection
+    from eagle_tree.bench.tuning import save_tuned_shapes, selection, shape_measurements
+    from eagle_tree.decoding.shapes import save_decoding_defaults
 
     shapes = candidate_shapes(cfg)
     print(f"tuning {len(shapes)} shapes on {len(tuning_ids)} prompts x {cfg.tuning_repeats} ({cfg.tuning_prompts})")

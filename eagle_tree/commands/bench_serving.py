@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from eagle_tree.bench.tuning import SERVING_CANDIDATES
 from eagle_tree.commands.decode import CommandSampling
 from eagle_tree.utils.checks import check_range
 from eagle_tree.utils.config import ConfigValueError, config_to_dict, parse_cli, save_config
@@ -72,8 +73,7 @@ class ServingBenchConfig:
     methods: list[str] = field(default_factory=lambda: ["plain", "chain-2", "tree-d3k2n6", "tuned", "hf_generate"])
     """plain (draft=None), hf_generate (HF batched generate, left padding), tuned (the tuned shape of each
     batch size) and head shapes by name: chain-N, tree-dDkKnN (e.g. tree-d4k4n16), -sampled, +ctxN."""
-    candidates: list[str] = field(default_factory=lambda: [
-        "none", "chain-1", "chain-2", "chain-3", "tree-d2k2n4", "tree-d3k2n6", "tree-d4k4n16"])
+    candidates: list[str] = field(default_factory=lambda: list(SERVING_CANDIDATES))
     """Shapes the tuning pass picks from per batch size (none = plain decoding)."""
     tuning_tokens: int = 64
     """Output budget of the tuning pass (capped like output_budgets)."""
