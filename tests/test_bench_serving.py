@@ -35,7 +35,6 @@ from eagle_tree.bench.tuning import NONE, crossover_batch_size, pick_tuned
 from eagle_tree.cli import main as cli_main
 from eagle_tree.commands.bench_serving import QUICK, ServingBenchConfig
 from eagle_tree.core.sampling import SamplingConfig
-from eagle_tree.decoding.decoder import SpeculativeDecoder
 from eagle_tree.decoding.drafting import TreeConfig
 from eagle_tree.decoding.metrics import quantile
 from eagle_tree.decoding.rounds import BatchOutput, RequestResult
@@ -385,8 +384,6 @@ def test_smoke_run_with_fake_decoders(assets, tmp_path, monkeypatch):
     assert hf and all(r["acceptance_length"] == 1.0 for r in hf)
 
 
-@pytest.mark.skipif(not hasattr(SpeculativeDecoder, "generate_batch"),
-                    reason="eagle-tree's batched engine (SpeculativeDecoder.generate_batch / serve) is not here")
 def test_smoke_run_with_the_batched_engine(assets, tmp_path):
     """The command end to end on the real engine (tiny random target, untrained head)."""
     out = tmp_path / "out"

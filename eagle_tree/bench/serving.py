@@ -251,9 +251,9 @@ class Sweep:
             for _, method in order:
                 self._warm(method, prompts[:batch])
             for r in range(tuning_repeats):
-                rows = prompts[r * batch:(r + 1) * batch]
+                batch_prompts = prompts[r * batch:(r + 1) * batch]
                 for name, method in _rotated(order, r):
-                    outputs[name].append(run_batch(self.models, method, rows, max_new_tokens, self.sampling,
+                    outputs[name].append(run_batch(self.models, method, batch_prompts, max_new_tokens, self.sampling,
                                                    self.seed + r, self.eos_token_id))
             throughput[batch] = {c: batch_figures(outputs[c])["throughput_tok_s"] or 0.0 for c in candidates}
             tuned[batch] = pick_tuned(throughput[batch])
@@ -319,7 +319,7 @@ class Sweep:
              max_new_tokens: int, max_batch: int, tuned_shape: str | None = None) -> list[dict]:
         """One row per (arrival rate, method), in the order of ``methods``: ``len(prompts)`` requests with
         Poisson arrival times (seed ``seed``; the same times for every method at a rate) served by
-        continuous batching with at most ``max_batch`` rows, the methods run in an order rotated per
+        continuous batching with at most ``max_batch`` requests, the methods run in an order rotated per
         rate. hf_generate is skipped (it has no continuous batching); ``tuned`` runs ``tuned_shape``, or
         reuses the row of the method that has that shape."""
         rows = []

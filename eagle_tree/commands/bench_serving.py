@@ -168,10 +168,11 @@ KIND = "eagle-tree bench serving"
 FILES = ("config.yaml", "serving.json", "serving.md", "throughput.png", "latency_p95.png")
 
 NOTES = {
-    "batching": "sweep: each batch of B requests starts together (all arrive and are admitted at 0) and rows leave "
-                "as they finish (generate_batch); hf_generate is a static batch over left-padded prompts (a finished "
-                "row is computed on pad tokens until the last row ends)",
-    "continuous_load": "SpeculativeDecoder.serve: FIFO admission between rounds into free rows (at most max_batch); "
+    "batching": "sweep: each batch of B requests starts together (all arrive and are admitted at 0) and requests "
+                "leave as they finish (generate_batch); hf_generate is a static batch over left-padded prompts (a "
+                "finished request is computed on pad tokens until the last one ends)",
+    "continuous_load": "SpeculativeDecoder.serve: FIFO admission between rounds while fewer than max_batch requests "
+                       "run; "
                        "the requests that have arrived by then are prefilled together as one batch before the next "
                        "round; arrivals follow the real clock (Poisson, seeded, the same times for every method); "
                        "hf_generate has no continuous batching and is not in the load",

@@ -64,6 +64,10 @@ def commit(tree: Tree, result: VerifyResult, room: int, eos: set[int]) -> tuple[
     return new, result.accepted[: len(new) - 1]
 
 
+def _total(times: RoundStats | RoundSplit) -> float:
+    return times.draft_s + times.verify_s + times.other_s
+
+
 @dataclass
 class RoundStats:
     """One request's round: draft tokens accepted, tokens committed (accepted + correction/bonus, after
@@ -76,10 +80,7 @@ class RoundStats:
     draft_s: float
     verify_s: float
     other_s: float
-
-    @property
-    def total_s(self) -> float:
-        return self.draft_s + self.verify_s + self.other_s
+    total_s = property(lambda self: _total(self), doc="draft + verify + other seconds")
 
 
 @dataclass
@@ -146,10 +147,7 @@ class RoundSplit:
     draft_s: float
     verify_s: float
     other_s: float
-
-    @property
-    def total_s(self) -> float:
-        return self.draft_s + self.verify_s + self.other_s
+    total_s = property(lambda self: _total(self), doc="draft + verify + other seconds")
 
 
 @dataclass

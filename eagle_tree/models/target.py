@@ -185,7 +185,7 @@ class TargetModel:
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> TargetOutput:
-        """One forward over ``input_ids`` (B, T), one row per request of ``cache``, appending T entries
+        """One forward over ``input_ids`` (B, T), one sequence per request of ``cache``, appending T entries
         to every request (request b's at slots ``lengths[b] + i``).
 
         ``position_ids`` (B or 1, T) default to ``lengths[b] + arange(T)``. ``attention_mask``: None for
