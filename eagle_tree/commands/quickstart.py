@@ -216,7 +216,7 @@ def compare(cfg: QuickstartConfig, head_dir: Path):
                 outs[key].append(decoders[key].generate(ids, cfg.max_new_tokens, sampling, seed=cfg.seed + i))
         plain_tpot = None
         for (method, head_name), method_outs in outs.items():
-            shape = decoders[(method, head_name)].tree if method == "default" else shapes.get(method)
+            shape = decoders[(method, head_name)].shape_for(sampling) if method == "default" else shapes.get(method)
             s = summarize(method, temperature, method_outs, depth=0 if shape is None else shape.depth).to_dict()
             s["head"] = head_name
             s["shape"] = "no draft" if shape is None else shape.name
