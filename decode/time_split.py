@@ -2,7 +2,7 @@
 
 Usage: python decode/time_split.py [--target assets/reference/target] [--head assets/reference/head]
        [--prompts assets/reference/prompts/test.jsonl] [--limit 4] [--new-tokens 64] [--repeats 2]
-       [--shapes plain chain-2 tree-3x3/8] [--temperature 0.0] [--threads 2] [--compile] [--seed 0]
+       [--shapes plain chain-2 tree-d3k3n8] [--temperature 0.0] [--threads 2] [--compile] [--seed 0]
 
 Decodes the same prompts with each shape and with Hugging Face ``generate`` (interleaved, after one
 warm-up call each) and prints one row per shape, side by side:
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import re
 import time
 
 import torch
@@ -40,19 +39,15 @@ from eagle_tree.decoding.metrics import summarize
 from eagle_tree.models.head import Eagle3DraftModel
 from eagle_tree.models.target import TargetModel
 
-SHAPE = re.compile(r"^(plain|chain-(\d+)|tree-(\d+)x(\d+)/(\d+))$")
-
 
 def parse_shape(text: str) -> TreeConfig | None:
-    """'plain' -> None, 'chain-L' -> a chain of L tokens, 'tree-DxK/N' -> depth D, top_k K, N tokens."""
-    m = SHAPE.match(text)
-    if m is None:
-        raise argparse.ArgumentTypeError(f"shape {text!r} must be 'plain', 'chain-L' or 'tree-DxK/N' (e.g. tree-3x3/8)")
-    if m.group(1) == "plain":
+    """'plain' -> None, else a shape name as ``TreeConfig.name`` spells it (chain-2, tree-d3k3n8, ...)."""
+    if text == "plain":
         return None
-    if m.group(2):
-        return TreeConfig.chain(int(m.group(2)))
-    return TreeConfig(depth=int(m.group(3)), top_k=int(m.group(4)), total_tokens=int(m.group(5)))
+    try:
+        return TreeConfig.from_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -63,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=4, help="prompts used")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--shapes", nargs="+", default=["plain", "chain-2", "tree-3x3/8"])
+    p.add_argument("--shapes", nargs="+", default=["plain", "chain-2", "tree-d3k3n8"])
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="SpeculativeDecoder(compile=True)")

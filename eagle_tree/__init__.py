@@ -24,10 +24,10 @@ _LAZY = {
     "ContextConfig": "decoding.context",
     "SpeculativeDecoder": "decoding.decoder",
     "GenerateOutput": "decoding.decoder",
-    "RoundStats": "decoding.decoder",
-    "Request": "decoding.batch",
-    "RequestResult": "decoding.batch",
-    "BatchOutput": "decoding.batch",
+    "RoundStats": "decoding.rounds",
+    "Request": "decoding.rounds",
+    "RequestResult": "decoding.rounds",
+    "BatchOutput": "decoding.rounds",
 }
 
 __all__ = [

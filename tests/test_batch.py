@@ -1,7 +1,8 @@
 """Batched decoding (decoding/batch.py): exact per request, with negative controls.
 
-- The pieces: ``BatchCache`` (per-row writes, per-row compaction, rows leaving and joining) against
-  one-row caches; ``rows_visibility``; a Drafter of B rows against B one-row drafters.
+- The pieces: ``TargetCache`` of B requests (per-request writes, per-request compaction, requests
+  leaving and joining) against one-request caches; ``rows_visibility``; a Drafter of B requests
+  against B one-request drafters.
 - Greedy: every row of ``generate_batch`` equals plain greedy decoding of its prompt alone, for plain
   decoding, chains, trees, sampled trees and context branches, on full-attention and sliding-window
   targets, prompts of different lengths, rows leaving at different times (budgets, EOS).
@@ -25,11 +26,11 @@ import eagle_tree.models.target as target_module
 from eagle_tree.core.sampling import SamplingConfig
 from eagle_tree.core.tree import Tree
 from eagle_tree.data.tiny import tiny_causal_lm
-from eagle_tree.decoding.batch import Request
 from eagle_tree.decoding.context import ContextConfig
 from eagle_tree.decoding.decoder import SpeculativeDecoder
 from eagle_tree.decoding.drafting import Drafter, TreeConfig
-from eagle_tree.models.cache import BatchCache
+from eagle_tree.decoding.rounds import Request
+from eagle_tree.models.cache import TargetCache
 from eagle_tree.models.head import Eagle3DraftModel
 from eagle_tree.models.target import TargetModel, rows_visibility
 from tests.test_decoder_exactness import ALPHA, SPROMPT, SV, _chi2_pvalue, _exact_laws, _sampling_head, _sampling_target
@@ -83,9 +84,9 @@ def _kv(n_rows: int, t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_batch_cache_rows_write_compact_leave_and_join():
-    """Row b of a BatchCache holds what a one-row cache fed the same entries holds, through ragged
-    writes, per-row compaction, growth, rows leaving and rows joining."""
-    cache = BatchCache(num_layers=1, rows=3, capacity=4)
+    """Request b of a TargetCache holds what a one-request cache fed the same entries holds, through ragged
+    writes, per-request compaction, growth, requests leaving and requests joining."""
+    cache = TargetCache(num_layers=1, requests=3, capacity=4)
     solo = [[] for _ in range(3)]  # the entries each row should hold, as (k, v) columns
     lengths = [2, 5, 3]
     k, v = _kv(3, 5, 0)
@@ -99,7 +100,7 @@ def test_batch_cache_rows_write_compact_leave_and_join():
         cache.layers[0].update(k, v)
         cache.advance(4)
         keeps = [[0], [0, 1, 3], [0, 2]][step % 3:] + [[0], [0, 1, 3], [0, 2]][: step % 3]
-        cache.compact_rows(starts, keeps)
+        cache.compact(starts, keeps)
         for b in range(3):
             solo[b] += [(k[b, :, j], v[b, :, j]) for j in keeps[b]]
     assert cache.capacity > 4  # it grew
@@ -112,18 +113,18 @@ def test_batch_cache_rows_write_compact_leave_and_join():
             assert torch.equal(layer.values[b, :, : len(entries)], torch.stack([e[1] for e in entries], 1))
 
     check()
-    cache.select_rows([2, 0])
+    cache.select([2, 0])
     solo = [solo[2], solo[0]]
     check()
-    other = BatchCache(num_layers=1, rows=1, capacity=2)
+    other = TargetCache(num_layers=1, requests=1, capacity=2)
     k, v = _kv(1, 3, 99)
     other.layers[0].update(k, v)
     other.advance(3)
-    cache.add_rows(other)
+    cache.extend(other)
     solo.append([(k[0, :, i], v[0, :, i]) for i in range(3)])
     check()
     with pytest.raises(ValueError, match="strictly ascending"):
-        cache.compact_rows(list(cache.lengths), [[1, 0], [0], [0]])
+        cache.compact(list(cache.lengths), [[1, 0], [0], [0]])
 
 
 def test_rows_visibility_hides_other_rows_stale_slots_and_padding():
@@ -163,9 +164,9 @@ def test_drafter_of_rows_equals_one_row_drafters(shape):
     solo[0].catch_up(extra[:1], torch.tensor([[3, 4]]))
     solo[2].catch_up(extra[2:, :1], torch.tensor([[5]]))
     gens = [torch.Generator().manual_seed(s) for s in range(3)]
-    together = batch.propose_rows(T1, gens)
+    together = batch.propose(T1, gens)
     for b, d in enumerate(solo):
-        alone = d.propose(T1, torch.Generator().manual_seed(b))
+        alone = d.propose(T1, [torch.Generator().manual_seed(b)])[0]
         assert (together[b].tree.parents, together[b].tree.tokens) == (alone.tree.parents, alone.tree.tokens)
         if alone.draft_probs is not None:
             assert torch.allclose(together[b].draft_probs, alone.draft_probs, atol=1e-5)
@@ -207,18 +208,18 @@ def test_rows_leave_at_their_budget_or_eos():
 
 def _leaky_compaction(monkeypatch):
     """Negative control: every round, the entry a row keeps for its root comes from the next row."""
-    original = BatchCache.compact_rows
+    original = TargetCache.compact
 
     def leaky(self, starts, keeps):
         original(self, starts, keeps)
-        if self.rows > 1 and self.layers[0].is_initialized:
+        if self.requests > 1 and self.layers[0].is_initialized:
             src = torch.tensor(starts).roll(-1)  # row b gets row b + 1's root entry
-            rows, dst = torch.arange(self.rows), torch.tensor(starts)
+            rows, dst = torch.arange(self.requests), torch.tensor(starts)
             for layer in self.layers:
                 layer.keys[rows, :, dst] = layer.keys[rows.roll(-1), :, src].clone()
                 layer.values[rows, :, dst] = layer.values[rows.roll(-1), :, src].clone()
 
-    monkeypatch.setattr(BatchCache, "compact_rows", leaky)
+    monkeypatch.setattr(TargetCache, "compact", leaky)
 
 
 def _mask_sees_padding(monkeypatch):
@@ -274,17 +275,17 @@ def test_rows_with_the_same_prompt_draw_independently():
 
 def test_shared_generator_negative_control(monkeypatch):
     """Negative control: rows drawing from one shared generator fail the own-seed check above."""
-    import eagle_tree.decoding.batch as batch_module
+    import eagle_tree.decoding.rounds as rounds_module
 
-    original = batch_module.BatchRun.admit
+    original = rounds_module.RoundLoop.admit
 
     def admit(self, admitted):
         original(self, admitted)
-        shared = self.rows[0].verifier
-        for row in self.rows:
+        shared = self.running[0].verifier
+        for row in self.running:
             row.verifier = shared
 
-    monkeypatch.setattr(batch_module.BatchRun, "admit", admit)
+    monkeypatch.setattr(rounds_module.RoundLoop, "admit", admit)
     prompts, dec = _prompts(), _decoder("chain")
     out = dec.generate_batch(prompts, max_new_tokens=16, sampling=T1, seed=3)
     alone = [dec.generate(p, max_new_tokens=16, sampling=T1, seed=3 * len(prompts) + i).sequences[0].tolist()
@@ -325,17 +326,17 @@ def test_serve_admits_in_arrival_order_into_free_rows():
     arrivals = [0.0, 0.0, 0.05, 0.05, 0.3]
     dec = _decoder("chain")
     seen_rows = []
-    original = dec.target.verify_rows
+    original = dec.target.verify
 
     def counting(roots, trees, cache):
         seen_rows.append(len(trees))
         return original(roots, trees, cache)
 
-    dec.target.verify_rows = counting
+    dec.target.verify = counting
     try:
         out = dec.serve([Request(p, 12, a) for p, a in zip(prompts, arrivals, strict=True)], max_batch=2)
     finally:
-        del dec.target.verify_rows
+        del dec.target.verify
     assert max(seen_rows) == 2
     for p, a, res in zip(prompts, arrivals, out.results, strict=True):
         assert res.sequence.tolist() == _plain_greedy("llama", tuple(p.tolist()), 12)

@@ -13,11 +13,13 @@ from eagle_tree.bench.aggregate import method_rows
 from eagle_tree.bench.hf import hf_generate
 from eagle_tree.bench.memory import PeakMemory
 from eagle_tree.bench.runner import PLAIN, BenchModels, Method, PhaseResult, interleaved_schedule
-from eagle_tree.commands.bench import BenchConfig, build_tiny_assets, main
+from eagle_tree.commands.bench import BenchConfig, main
 from eagle_tree.commands.decode import DecodeConfig, load_models
 from eagle_tree.core.sampling import SamplingConfig
-from eagle_tree.decoding.decoder import GenerateOutput, RoundStats
+from eagle_tree.data.tiny import build_tiny_assets
+from eagle_tree.decoding.decoder import GenerateOutput
 from eagle_tree.decoding.drafting import TreeConfig
+from eagle_tree.decoding.rounds import RoundStats
 from eagle_tree.decoding.shapes import load_tuned_shape
 from eagle_tree.utils.config import load_config
 

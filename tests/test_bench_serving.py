@@ -23,26 +23,22 @@ from eagle_tree.bench import hf as hf_module
 from eagle_tree.bench.hf import hf_generate, hf_generate_batch, left_pad
 from eagle_tree.bench.runner import BenchModels
 from eagle_tree.bench.serving import (
-    NONE,
     Sweep,
     batch_figures,
     context_prompts,
-    crossover_batch_size,
     output_budgets,
     parse_method,
     parse_shape,
-    percentile,
-    pick_tuned,
     poisson_arrivals,
 )
+from eagle_tree.bench.tuning import NONE, crossover_batch_size, pick_tuned
 from eagle_tree.cli import main as cli_main
-from eagle_tree.commands.bench import build_tiny_assets
 from eagle_tree.commands.bench_serving import QUICK, ServingBenchConfig
 from eagle_tree.core.sampling import SamplingConfig
-from eagle_tree.decoding.batch import BatchOutput, RequestResult
-from eagle_tree.decoding.decoder import SpeculativeDecoder
+from eagle_tree.data.tiny import build_tiny_assets
 from eagle_tree.decoding.drafting import TreeConfig
-from eagle_tree.decoding.shapes import shape_name
+from eagle_tree.decoding.metrics import quantile
+from eagle_tree.decoding.rounds import BatchOutput, RequestResult
 from eagle_tree.utils.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,7 +67,7 @@ class FakeDecoder:
         return (4 + rows * (1 + self.n)) / 1000
 
     def generate_batch(self, prompts, max_new_tokens, sampling=None, seed=0, eos_token_id=None):
-        from eagle_tree.decoding.batch import Request
+        from eagle_tree.decoding.rounds import Request
 
         return self.serve([Request(p, max_new_tokens) for p in prompts], max_batch=len(prompts))
 
@@ -115,7 +111,7 @@ class FakeDecoder:
 
 def fake_models(wrong: set[str] = frozenset()) -> BenchModels:
     models = BenchModels(target=SimpleNamespace(device=torch.device("cpu")), tokenizer=None)
-    models.decoder = lambda tree, use_head=None: FakeDecoder(tree, wrong=tree is not None and shape_name(tree) in wrong)
+    models.decoder = lambda tree, use_head=None: FakeDecoder(tree, wrong=tree is not None and tree.name in wrong)
     return models
 
 
@@ -170,7 +166,7 @@ def test_context_longer_than_positions_is_refused(tmp_path, capsys):
 def test_shape_names_round_trip():
     for tree in (TreeConfig.chain(3), TreeConfig(depth=4, top_k=4, total_tokens=16),
                  TreeConfig(depth=3, top_k=2, total_tokens=10, sampled=True)):
-        assert parse_shape(shape_name(tree)) == tree
+        assert parse_shape(tree.name) == tree
     assert parse_shape("none") is None
     assert parse_shape("chain-1+ctx8").context.lookup_tokens == 8
     assert parse_method("plain").tree is None and parse_method("hf_generate").kind == "hf"
@@ -182,11 +178,11 @@ def test_shape_names_round_trip():
 # ---------------------------------------------------------------------------------- figures
 
 
-def test_percentile_matches_torch_quantile():
+def test_quantile_matches_torch_quantile():
     values = [0.3, 0.1, 0.7, 0.2, 0.9, 0.4, 0.4]
     for q in (0.0, 0.5, 0.95, 1.0):
-        assert percentile(values, q) == pytest.approx(float(torch.quantile(torch.tensor(values), q)))
-    assert percentile([], 0.5) is None and percentile([2.0], 0.95) == 2.0
+        assert quantile(values, q) == pytest.approx(float(torch.quantile(torch.tensor(values), q)))
+    assert quantile([], 0.5) is None and quantile([2.0], 0.95) == 2.0
 
 
 def test_batch_figures_on_known_results():
@@ -388,8 +384,6 @@ def test_smoke_run_with_fake_decoders(assets, tmp_path, monkeypatch):
     assert hf and all(r["acceptance_length"] == 1.0 for r in hf)
 
 
-@pytest.mark.skipif(not hasattr(SpeculativeDecoder, "generate_batch"),
-                    reason="eagle-tree's batched engine (SpeculativeDecoder.generate_batch / serve) is not here")
 def test_smoke_run_with_the_batched_engine(assets, tmp_path):
     """The command end to end on the real engine (tiny random target, untrained head)."""
     out = tmp_path / "out"

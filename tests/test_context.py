@@ -12,7 +12,7 @@ from eagle_tree.core.tree import Tree
 from eagle_tree.core.verify import Proposal, VerifyRule, verify_tree
 from eagle_tree.decoding.context import ContextConfig, ContextDrafter, ContextIndex, merge_context
 from eagle_tree.decoding.decoder import SpeculativeDecoder
-from eagle_tree.decoding.drafting import Drafter, TreeConfig
+from eagle_tree.decoding.drafting import Drafter, OneSequence, TreeConfig
 from tests.exact_reference import check_mixed, dist
 from tests.test_decoder_exactness import (
     ALPHA,
@@ -259,26 +259,26 @@ class _ContextDrafter(ContextDrafter):
         self.favourite, self.wrong, self.phantoms = favourite, wrong, 0
         super().__init__(inner, config)
 
-    def reset(self) -> None:
-        super().reset()
+    def reset(self, requests: int = 1) -> None:
+        super().reset(requests)
         if self.favourite:
-            self.index = _Favourite(self.inner)
+            self.indexes = [_Favourite(self.inner.inner)]
 
-    def propose(self, sampling, generator=None) -> Proposal:
-        prop = super().propose(sampling, generator)
+    def propose(self, sampling, generators) -> list[Proposal]:
+        (prop,) = super().propose(sampling, generators)
         t = prop.tree
         self.phantoms += len(t.phantoms)
         if self.wrong is not None:
             pm = None if self.wrong == "context_as_q" else t.point_mass
             t = Tree(t.parents, t.tokens, point_mass=pm)
-        return Proposal(t, prop.draft_probs, prop.rule)
+        return [Proposal(t, prop.draft_probs, prop.rule)]
 
 
 def _context_decoder(favourite: bool = False, wrong: str | None = None, width=(3, 2), lookup: int = 2,
                      first: str = "context"):
     head = PerturbedDrafter("without_replacement", width, prompt=CPROMPT)
     config = ContextConfig(lookup_tokens=lookup, first=first)
-    drafter = _ContextDrafter(head, config, favourite=favourite, wrong=wrong)
+    drafter = _ContextDrafter(OneSequence(head), config, favourite=favourite, wrong=wrong)
     return SpeculativeDecoder(_sampling_target(), drafter=drafter)
 
 

@@ -11,19 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle_tree.commands.bench import BenchConfig, build_tiny_assets, candidate_shapes, main
+from eagle_tree.bench.tuning import ShapeMeasurement, save_tuned_shapes, selection
+from eagle_tree.commands.bench import BenchConfig, candidate_shapes, main
+from eagle_tree.data.tiny import build_tiny_assets
 from eagle_tree.decoding.context import ContextConfig
 from eagle_tree.decoding.decoder import SpeculativeDecoder
 from eagle_tree.decoding.drafting import TreeConfig
-from eagle_tree.decoding.shapes import (
-    ShapeMeasurement,
-    load_decoding_defaults,
-    load_tuned_shape,
-    save_decoding_defaults,
-    save_tuned_shapes,
-    selection,
-    shape_name,
-)
+from eagle_tree.decoding.shapes import load_decoding_defaults, load_tuned_shape, save_decoding_defaults
 from eagle_tree.models.head import Eagle3DraftModel
 from eagle_tree.utils.config import load_config
 
@@ -32,10 +26,10 @@ CTX = ContextConfig(lookup_tokens=8)
 
 
 def test_shape_names_with_context():
-    assert shape_name(TreeConfig.chain(4, sampled=False)) == "chain-4"
-    assert shape_name(TreeConfig(depth=4, top_k=1, total_tokens=4, context=CTX)) == "chain-4+ctx8"
+    assert TreeConfig.chain(4, sampled=False).name == "chain-4"
+    assert TreeConfig(depth=4, top_k=1, total_tokens=4, context=CTX).name == "chain-4+ctx8"
     ctx = ContextConfig(lookup_tokens=6, branches=2, min_ngram=2, max_ngram=3, first="head")
-    assert shape_name(TreeConfig(depth=3, top_k=2, total_tokens=6, sampled=True, context=ctx)) == \
+    assert TreeConfig(depth=3, top_k=2, total_tokens=6, sampled=True, context=ctx).name == \
         "tree-d3k2n6-sampled+ctx6x2-g2to3-headfirst"
 
 
@@ -92,10 +86,11 @@ def test_decoder_uses_the_head_folders_defaults(tmp_path):
     assert dec.tree == greedy
     from eagle_tree import SamplingConfig
 
-    dec.generate(torch.tensor([[5, 6, 7]]), 4, sampling=SamplingConfig(temperature=1.0))
-    assert dec.tree == sampled and dec.drafter.config == CTX
-    dec.generate(torch.tensor([[5, 6, 7]]), 4)
-    assert dec.tree == greedy
+    t1 = SamplingConfig(temperature=1.0)
+    assert dec.shape_for(t1) == sampled and dec.shape_for(SamplingConfig(temperature=0.0)) == greedy
+    out = dec.generate(torch.tensor([[5, 6, 7]]), 4, sampling=t1)
+    assert dec.tree == greedy  # choosing the shape changes nothing in the decoder
+    assert dec._kept[sampled].config == CTX and out.new_tokens == 4  # the sampling shape drafted
     explicit = TreeConfig.chain(3)
     assert SpeculativeDecoder(target, Eagle3DraftModel.from_pretrained(head_dir, target=target), tree=explicit).tree \
         == explicit
@@ -119,7 +114,7 @@ def test_bench_with_context_methods_and_head_defaults(tmp_path):
     assert rows["context-only-ctx3"]["tree"]["context"]["lookup_tokens"] == 3
     written = load_decoding_defaults(out)
     assert written == load_decoding_defaults(assets["head"])
-    assert shape_name(written["greedy"]) == report["tuning"]["selected"]["best"]
+    assert written["greedy"].name == report["tuning"]["selected"]["best"]
 
 
 def test_ooc_bench_configs_load():

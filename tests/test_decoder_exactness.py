@@ -23,7 +23,7 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-import eagle_tree.decoding.decoder as decoder_module
+import eagle_tree.decoding.rounds as rounds_module
 from eagle_tree import SamplingConfig, VerifyResult, processed_probs
 from eagle_tree.core.sampling import greedy_token
 from eagle_tree.core.tree import Tree
@@ -195,7 +195,7 @@ def _accept_everything(tree, target_probs, draft_probs, rule, generator) -> Veri
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_negative_control_accept_everything_fails_greedy_equality(shape, monkeypatch):
-    monkeypatch.setattr(decoder_module, "verify_tree", _accept_everything)
+    monkeypatch.setattr(rounds_module, "verify_tree", _accept_everything)
     dec, _ = _scripted("llama", shape, [2, 0, 4, 1, 3])
     out = dec.generate(torch.tensor([PROMPT]), max_new_tokens=16, sampling=GREEDY)
     assert out.new_tokens == 16

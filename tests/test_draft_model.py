@@ -20,8 +20,9 @@ from eagle_tree.data.tiny import tiny_causal_lm
 from eagle_tree.decoding.decoder import SpeculativeDecoder
 from eagle_tree.decoding.drafting import Drafter, TreeConfig
 from eagle_tree.models.head import Eagle3DraftModel
-from eagle_tree.models.head_config import Eagle3Config, vocab_maps
-from eagle_tree.models.target import TargetModel, default_feature_layers
+from eagle_tree.models.head_config import Eagle3Config, default_feature_layers, vocab_maps
+from eagle_tree.models.target import TargetModel
+from tests.helpers import PastKV
 
 PROMPT = [4, 90, 17, 3, 66, 21, 8]
 DRAFT_VOCAB = [100, 3, 7, 7, 64, 8, 21, 90, 5, 0, 127, 44, 17, 66, 12, 30]  # unsorted, one duplicate
@@ -65,9 +66,9 @@ def _drafts(head: Eagle3DraftModel, target: TargetModel):
         d = Drafter(head, cfg)
         d.catch_up(*pairs)
         g = None if seed is None else torch.Generator().manual_seed(seed)
-        p = d.propose(SamplingConfig(temperature=1.0), g)
+        p = d.propose(SamplingConfig(temperature=1.0), [g])[0]
         results.append((p.tree.parents, p.tree.tokens, p.draft_probs))
-    return d.last_logits, results
+    return d.logits[0], results
 
 
 def _assert_same_drafts(a, b) -> None:
@@ -105,8 +106,9 @@ def test_from_target_shapes_and_config(wrapped):
     with torch.no_grad():
         hidden = head.fuse(torch.randn(1, 5, 3 * 64))
         mask = torch.ones(5, 5, dtype=torch.bool).tril()[None, None]
-        out, logits, (k, v) = head.step(hidden, torch.tensor([PROMPT[:5]]), torch.arange(5)[None], None, mask)
-    assert out.shape == (1, 5, 64) and logits.shape == (1, 5, 128) and k.shape == v.shape == (1, 2, 5, 16)
+        past = PastKV()
+        out, logits = head.step(hidden, torch.tensor([PROMPT[:5]]), torch.arange(5)[None], past, mask)
+    assert out.shape == (1, 5, 64) and logits.shape == (1, 5, 128) and past.k.shape == past.v.shape == (1, 2, 5, 16)
 
 
 def test_from_target_custom_layers_and_seed():
@@ -383,13 +385,13 @@ def test_head_of_another_target_is_refused(other, message):
     with pytest.raises(ValueError, match=f"does not belong to this target.*{message}"):
         SpeculativeDecoder(stranger, head)
     with pytest.raises(ValueError, match="does not belong to this target"):
-        SpeculativeDecoder(TargetModel(stranger, feature_layers=(1, 1, 1)), head)
+        SpeculativeDecoder(TargetModel(stranger, feature_layers=(1, 2, 3)), head)
 
 
 def test_feature_layers_must_match_the_target_wrapper():
     head = Eagle3DraftModel.from_target(_target())  # layers (1, 2, 3)
     with pytest.raises(ValueError, match="feature layers"):
-        SpeculativeDecoder(TargetModel(_hf(), feature_layers=(0, 1, 2)), head)
+        SpeculativeDecoder(TargetModel(_hf(num_layers=6), feature_layers=(1, 2, 4)), head)
 
 
 def test_unbound_head_raises_a_clear_error(tmp_path):
@@ -402,4 +404,4 @@ def test_unbound_head_raises_a_clear_error(tmp_path):
             drafter.catch_up(out.features, torch.tensor([PROMPT[1:] + [0]]))
         head.bind_target(target)  # binding (or SpeculativeDecoder, which binds) makes it usable
         drafter.catch_up(out.features, torch.tensor([PROMPT[1:] + [0]]))
-        assert drafter.last_logits.shape == (128,)
+        assert drafter.logits[0].shape == (128,)

@@ -21,9 +21,11 @@ from scipy.stats import chi2
 from eagle_tree import SamplingConfig, processed_probs
 from eagle_tree.core.verify import Proposal
 from eagle_tree.data.tiny import tiny_causal_lm
-from eagle_tree.decoding.drafting import DraftCache, Drafter, TreeConfig
+from eagle_tree.decoding.drafting import Drafter, TreeConfig
+from eagle_tree.models.cache import DraftCache
 from eagle_tree.models.head import Eagle3DraftModel
 from eagle_tree.models.target import TargetModel
+from tests.helpers import PastKV
 
 ATOL = 1e-5
 VOCAB = 64
@@ -80,20 +82,20 @@ class ChainReference:
         m = features.shape[1]
         with torch.no_grad():
             mask = torch.ones(m, m, dtype=torch.bool).tril()[None, None]
-            out, logits, self.kv = head.step(head.fuse(features), tokens, torch.arange(m)[None], None, mask)
+            self.kv = PastKV()
+            out, logits = head.step(head.fuse(features), tokens, torch.arange(m)[None], self.kv, mask)
         self.m, self.root_hidden, self.root_logits = m, out[:, -1:], logits[0, -1]
 
     @functools.cache  # noqa: B019 (one instance per test)
     def logits(self, path: tuple[int, ...]) -> torch.Tensor:
         if not path:
             return self.root_logits
-        hidden, (k, v) = self.root_hidden, self.kv
+        hidden, past = self.root_hidden, self.kv.copy()
         with torch.no_grad():
             for depth, token in enumerate(path, start=1):
-                mask = torch.ones(1, 1, 1, k.shape[2] + 1, dtype=torch.bool)
+                mask = torch.ones(1, 1, 1, past.length + 1, dtype=torch.bool)
                 pos = torch.tensor([[self.m - 1 + depth]])
-                hidden, logits, (k1, v1) = self.head.step(hidden, torch.tensor([[token]]), pos, (k, v), mask)
-                k, v = torch.cat([k, k1], 2), torch.cat([v, v1], 2)
+                hidden, logits = self.head.step(hidden, torch.tensor([[token]]), pos, past, mask)
         return logits[0, -1]
 
 
@@ -172,7 +174,7 @@ CONFIGS = {
 def test_deterministic_tree_is_the_documented_rerank(name, reduced):
     cfg = CONFIGS[name]
     d = _drafter(cfg, reduced)
-    proposal = d.propose(T1)
+    proposal = d.propose(T1)[0]
     assert proposal.rule == "deterministic" and proposal.draft_probs is None
     ref = ChainReference(_head(reduced))
     kept, candidates = _grow(ref, cfg)
@@ -203,7 +205,7 @@ def _t2d(head: Eagle3DraftModel, target_id: int) -> int:
 
 def test_chain_follows_the_draft_argmax():
     d = _drafter(TreeConfig.chain(length=5))
-    proposal = d.propose(T1)
+    proposal = d.propose(T1)[0]
     ref = ChainReference(_head())
     tree = proposal.tree
     assert tree.parents == [-1, 0, 1, 2, 3]
@@ -223,9 +225,9 @@ def test_node_logits_equal_chain_recomputation():
         return out, logits
 
     d._forward = recording
-    proposal = d.propose(GREEDY)
+    proposal = d.propose(GREEDY)[0]
     ref = ChainReference(_head())
-    assert torch.allclose(d.last_logits, ref.logits(()), atol=ATOL, rtol=0)
+    assert torch.allclose(d.logits[0], ref.logits(()), atol=ATOL, rtol=0)
     # each forward feeds a level's frontier; compare every fed node's logits with its chain recomputation
     paths = {p: i for i, p in enumerate(_paths(proposal))}
     checked = 0
@@ -242,11 +244,11 @@ def test_propose_crops_the_draft_cache_and_keeps_committed_entries():
     k0, v0 = (t.clone() for t in d.cache.view())
     length = d.cache.length
     assert length == len(PROMPT)
-    first = d.propose(T1)
+    first = d.propose(T1)[0]
     assert d.cache.length == length
     k1, v1 = d.cache.view()
     assert torch.equal(k0, k1) and torch.equal(v0, v1)
-    second = d.propose(T1)  # a second proposal from the same state is the same tree
+    second = d.propose(T1)[0]  # a second proposal from the same state is the same tree
     assert second.tree.parents == first.tree.parents and second.tree.tokens == first.tree.tokens
 
 
@@ -255,21 +257,21 @@ def test_one_catch_up_equals_several_smaller_ones(chunks):
     cfg = TreeConfig(depth=3, top_k=3, total_tokens=9)
     whole, pieces = _drafter(cfg), _drafter(cfg, chunks=chunks)
     assert whole.cache.length == pieces.cache.length == len(PROMPT)
-    assert torch.allclose(whole.last_logits, pieces.last_logits, atol=ATOL, rtol=0)
+    assert torch.allclose(whole.logits[0], pieces.logits[0], atol=ATOL, rtol=0)
     assert torch.allclose(whole.last_hidden, pieces.last_hidden, atol=ATOL, rtol=0)
     for a, b in zip(whole.cache.view(), pieces.cache.view(), strict=True):
         assert torch.allclose(a, b, atol=ATOL, rtol=0)
-    p, q = whole.propose(T1), pieces.propose(T1)
+    p, q = whole.propose(T1)[0], pieces.propose(T1)[0]
     assert (p.tree.parents, p.tree.tokens) == (q.tree.parents, q.tree.tokens)
     whole.config = pieces.config = TreeConfig(depth=3, top_k=3, total_tokens=12, sampled=True)
-    s1, s2 = (x.propose(T1, torch.Generator().manual_seed(4)) for x in (whole, pieces))
+    s1, s2 = (x.propose(T1, [torch.Generator().manual_seed(4)])[0] for x in (whole, pieces))
     assert s1.tree.tokens == s2.tree.tokens
     assert torch.allclose(s1.draft_probs, s2.draft_probs, atol=ATOL, rtol=0)
 
 
 def test_propose_needs_a_catch_up_first():
     with pytest.raises(RuntimeError, match="catch_up"):
-        Drafter(_head(), TreeConfig()).propose(T1)
+        Drafter(_head(), TreeConfig()).propose(T1)[0]
 
 
 def test_draft_cache_append_crop_and_growth():
@@ -306,7 +308,7 @@ def test_sampled_trees_never_prune_and_carry_their_q(cfg, sampling, reduced):
     d2t = ref.head.draft_to_target
     global_state = torch.get_rng_state()
     for seed in range(3):
-        proposal = d.propose(sampling, torch.Generator().manual_seed(seed))
+        proposal = d.propose(sampling, [torch.Generator().manual_seed(seed)])[0]
         tree, q_all = proposal.tree, proposal.draft_probs
         assert proposal.rule == "without_replacement"
         assert q_all.shape == (len(tree) + 1, VOCAB) and q_all.dtype == torch.float32
@@ -343,13 +345,13 @@ def test_sampled_trees_never_prune_and_carry_their_q(cfg, sampling, reduced):
 
 def test_sampled_trees_are_random_and_reproducible():
     d = _drafter(TreeConfig(depth=2, top_k=3, total_tokens=12, sampled=True))
-    trees = [tuple(d.propose(T1, torch.Generator().manual_seed(s)).tree.tokens) for s in (0, 0, 1, 2, 3)]
+    trees = [tuple(d.propose(T1, [torch.Generator().manual_seed(s)])[0].tree.tokens) for s in (0, 0, 1, 2, 3)]
     assert trees[0] == trees[1] and len(set(trees)) >= 3
 
 
 def test_sampled_config_at_temperature_zero_drafts_the_deterministic_tree():
     cfg = TreeConfig(depth=3, top_k=3, total_tokens=8)
-    greedy = _drafter(dataclasses.replace(cfg, sampled=True)).propose(GREEDY, torch.Generator().manual_seed(0))
+    greedy = _drafter(dataclasses.replace(cfg, sampled=True)).propose(GREEDY, [torch.Generator().manual_seed(0)])[0]
     assert greedy.rule == "greedy" and greedy.draft_probs is None
     assert _paths(greedy) == _grow(ChainReference(_head()), cfg)[0]
 
@@ -361,7 +363,7 @@ def test_gumbel_top_k_children_follow_sampling_without_replacement():
     head = _head(reduced=True)
     d = _drafter(TreeConfig(depth=1, top_k=2, total_tokens=2, sampled=True), reduced=True)
     sampling = SamplingConfig(temperature=1.0, top_k=8)  # 8 tokens of support: 56 ordered pairs
-    q = processed_probs(d.last_logits, sampling).double()
+    q = processed_probs(d.logits[0], sampling).double()
     law = q[:, None] * q[None, :] / (1 - q[:, None])  # P(c1 = a, c2 = b) = q(a) q(b) / (1 - q(a))
     law.fill_diagonal_(0)
     n = 3000
@@ -369,7 +371,7 @@ def test_gumbel_top_k_children_follow_sampling_without_replacement():
     g = torch.Generator().manual_seed(0)
     t2d = {int(t): i for i, t in enumerate(head.draft_to_target)}
     for _ in range(n):
-        a, b = d.propose(sampling, g).tree.tokens
+        a, b = d.propose(sampling, [g])[0].tree.tokens
         counts[t2d[a], t2d[b]] += 1
     assert _pvalue(counts, law) > 1e-5
     assert _pvalue(counts.T, law) < 1e-5
@@ -404,7 +406,7 @@ def test_propose_makes_one_host_transfer(cfg, sampling, monkeypatch):
     rand = torch.rand
     draws: list[tuple[int, ...]] = []
     monkeypatch.setattr(torch, "rand", lambda *a, **k: draws.append(tuple(a[0])) or rand(*a, **k))
-    proposal = d.propose(sampling, torch.Generator().manual_seed(0))
+    proposal = d.propose(sampling, [torch.Generator().manual_seed(0)])[0]
     monkeypatch.undo()
     assert calls == ["tolist"]
     if cfg.sampled:  # the root, then one draw per fed level, each over the whole frontier

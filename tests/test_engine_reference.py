@@ -47,6 +47,7 @@ from eagle_tree.data.tiny import tiny_causal_lm
 from eagle_tree.models.export import export_head
 from eagle_tree.models.head import Eagle3DraftModel
 from eagle_tree.models.target import TargetModel
+from tests.helpers import PastKV
 
 PROMPT = [5, 17, 99, 3, 64, 21, 8, 120, 33, 7]
 NUM_LAYERS = 8  # the engines' default layers (2, 4, 5) are valid from 7 layers
@@ -235,13 +236,13 @@ def eagle_tree_logits(head: Eagle3DraftModel, tokens_after: list[int]):
     tm = target(head.config.feature_layers)
     feats = tm.prefill(prompt, tm.new_cache()).features[:, :-1]  # eagle_tree's own capture
     t = feats.shape[1]
-    out, logits, kv = head.step(head.fuse(feats), prompt[:, 1:], torch.arange(t)[None], None,
-                                torch.ones(t, t, dtype=torch.bool).tril()[None, None])
-    results, hidden, past = [logits[0]], out[:, -1:], kv
+    past = PastKV()
+    out, logits = head.step(head.fuse(feats), prompt[:, 1:], torch.arange(t)[None], past,
+                            torch.ones(t, t, dtype=torch.bool).tril()[None, None])
+    results, hidden = [logits[0]], out[:, -1:]
     for i, token in enumerate(tokens_after):
         mask = torch.ones(1, 1, 1, t + i + 1, dtype=torch.bool)
-        hidden, logits, (k, v) = head.step(hidden, torch.tensor([[token]]), torch.tensor([[t + i]]), past, mask)
-        past = (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
+        hidden, logits = head.step(hidden, torch.tensor([[token]]), torch.tensor([[t + i]]), past, mask)
         results.append(logits[0])
     full = []
     for draft_logits in results:

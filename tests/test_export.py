@@ -71,8 +71,8 @@ def behaviour(draft, target, prompts, decode: bool = True) -> dict:
         feats = target.prefill(prompt, target.new_cache()).features
         drafter = Drafter(draft, TREE)
         drafter.catch_up(feats[:, :-1], prompt[:, 1:])
-        proposal = drafter.propose(et.SamplingConfig(temperature=0.0))
-        out["logits"].append(drafter.last_logits)
+        proposal = drafter.propose(et.SamplingConfig(temperature=0.0))[0]
+        out["logits"].append(drafter.logits[0])
         out["trees"].append((proposal.tree.parents, proposal.tree.tokens))
     decoder = et.SpeculativeDecoder(target, draft, tree=TREE)
     for prompt in prompts if decode else []:

@@ -29,7 +29,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import eagle_tree.decoding.decoder as decoder_module
+import eagle_tree.decoding.rounds as rounds_module
 import eagle_tree.reference.smollm2 as smollm2
 from eagle_tree.cli import main as cli_main
 from eagle_tree.decoding.decoder import SpeculativeDecoder
@@ -225,7 +225,7 @@ def test_greedy_scripted_acceptance_on_gguf_target_equals_plain_greedy(target, i
 
 
 def test_negative_control_accept_everything_differs_on_gguf_target(target, ids, reference, monkeypatch):
-    monkeypatch.setattr(decoder_module, "verify_tree", _accept_everything)
+    monkeypatch.setattr(rounds_module, "verify_tree", _accept_everything)
     drafter = ScriptedDrafter(reference, 4, 3, [2, 0, 4, 1, 3], vocab=target.vocab_size)
     out = SpeculativeDecoder(target, drafter=drafter).generate(ids, max_new_tokens=N_NEW, sampling=GREEDY)
     assert out.new_tokens == N_NEW and out.sequences[0].tolist() != reference

@@ -182,8 +182,16 @@ def test_invalid_settings_raise(kwargs, match):
 
 
 def test_boundary_settings_are_valid():
-    SamplingConfig(temperature=0.0, top_k=0, top_p=1.0)
-    SamplingConfig(temperature=0, top_k=1, top_p=1e-6)
+    """The edges of each range are accepted and mean what they say: temperature 0 is greedy, top_k=0 and
+    top_p=1.0 are off, top_k=1 or a tiny top_p keep the most likely token only."""
+    logits = torch.tensor([0.5, 2.0, 1.0, -1.0])
+    greedy = SamplingConfig(temperature=0.0, top_k=0, top_p=1.0)
+    assert greedy.greedy and processed_probs(logits, greedy).tolist() == [0.0, 1.0, 0.0, 0.0]
+    full = processed_probs(logits, SamplingConfig(temperature=1.0, top_k=0, top_p=1.0))
+    assert torch.allclose(full, torch.softmax(logits, -1))
+    for narrow in (SamplingConfig(temperature=1.0, top_k=1), SamplingConfig(temperature=0.7, top_p=1e-6)):
+        assert processed_probs(logits, narrow).tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert SamplingConfig(temperature=0, top_k=1, top_p=1e-6).greedy
 
 
 def test_infinite_temperature_is_rejected_and_tiny_temperature_is_finite():

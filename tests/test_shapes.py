@@ -5,28 +5,51 @@ import random
 
 import pytest
 
-from eagle_tree.decoding.drafting import TreeConfig
-from eagle_tree.decoding.shapes import (
+from eagle_tree.bench.tuning import (
+    CHAIN_LENGTHS,
+    SERVING_CANDIDATES,
+    TREES,
     ShapeMeasurement,
+    candidate_shapes,
     change_helps,
     grow_while_helps,
-    load_tuned_shape,
     marginal_steps,
     pick_best,
     save_tuned_shapes,
     selection,
-    shape_name,
 )
+from eagle_tree.decoding.context import ContextConfig
+from eagle_tree.decoding.drafting import TreeConfig
+from eagle_tree.decoding.shapes import load_tuned_shape
 
 
 def _m(tree, c, k, rounds=10):
     return ShapeMeasurement(tree, c, k, rounds)
 
 
+def test_every_name_the_tuners_write_reads_back():
+    """TreeConfig.name is the one spelling: every candidate of the bench (with the context settings the
+    shipped decoding.json uses) and of the serving sweep reads back to the same shape; a chain spelled as
+    a tree, or a default spelled out, is not a second name."""
+    contexts = [ContextConfig(lookup_tokens=8), ContextConfig(lookup_tokens=8, min_ngram=2),
+                ContextConfig(lookup_tokens=4, branches=2, min_ngram=3, max_ngram=5, first="head")]
+    shapes = candidate_shapes(CHAIN_LENGTHS, TREES, contexts)
+    shapes += [TreeConfig.chain(2, sampled=True), TreeConfig(depth=3, top_k=2, total_tokens=6, sampled=True,
+                                                            context=contexts[1])]
+    for tree in shapes:
+        assert TreeConfig.from_name(tree.name) == tree, tree.name
+    assert "chain-2+ctx8-g2to4" in {t.name for t in shapes}
+    for name in SERVING_CANDIDATES[1:]:
+        assert TreeConfig.from_name(name).name == name
+    for wrong in ("tree-d4k1n4", "chain-2+ctx8-g1to4", "chain-2+ctx8x1", "chain-0", "chain-2+"):
+        with pytest.raises(ValueError, match="not a|must be an integer >= 1"):
+            TreeConfig.from_name(wrong)
+
+
 def test_shape_names():
-    assert shape_name(TreeConfig.chain(4)) == "chain-4"
-    assert shape_name(TreeConfig(depth=6, top_k=8, total_tokens=48)) == "tree-d6k8n48"
-    assert shape_name(TreeConfig(depth=3, top_k=2, total_tokens=6, sampled=True)) == "tree-d3k2n6-sampled"
+    assert TreeConfig.chain(4).name == "chain-4"
+    assert TreeConfig(depth=6, top_k=8, total_tokens=48).name == "tree-d6k8n48"
+    assert TreeConfig(depth=3, top_k=2, total_tokens=6, sampled=True).name == "tree-d3k2n6-sampled"
 
 
 def test_marginal_rule_by_hand():

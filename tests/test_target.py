@@ -11,11 +11,12 @@ import functools
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig
+from transformers import LlamaConfig
 
 from eagle_tree.core.tree import Tree
 from eagle_tree.data.tiny import FAMILIES, tiny_causal_lm
-from eagle_tree.models.target import TargetModel, TargetOutput, default_feature_layers
+from eagle_tree.models.head_config import default_feature_layers
+from eagle_tree.models.target import TargetModel, TargetOutput
 
 ATOL = 1e-5
 VOCAB = 128
@@ -74,9 +75,9 @@ def test_default_feature_layers():
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("layers", [(1, 2, 3), (0, 2, 1), None])
+@pytest.mark.parametrize("layers", [(1, 2, 3), (1, 3, 5), None])
 def test_features_are_hidden_states_entering_the_layers(family, layers):
-    target = TargetModel(_model(family), layers)
+    target = TargetModel(_model(family, num_layers=6) if layers == (1, 3, 5) else _model(family), layers)
     tokens = _tokens(9, seed=1)
     out = target.forward(torch.tensor([tokens]), target.new_cache())
     ref = _reference(target, tokens)
@@ -106,7 +107,7 @@ def test_prefill_then_single_tokens_match_full_forward(family, impl):
     outs = [target.prefill(torch.tensor([tokens[:6]]), cache)]
     for t in tokens[6:]:
         outs.append(target.forward(torch.tensor([[t]]), cache))
-    assert target.cache_length(cache) == 10
+    assert cache.get_seq_length() == 10
     ref = _reference(target, tokens)
     assert _close(torch.cat([o.logits for o in outs], 1), ref.logits)
     assert _close(torch.cat([o.features for o in outs], 1), ref.features)
@@ -117,9 +118,9 @@ def test_prefill_then_single_tokens_match_full_forward(family, impl):
 
 def _check_verify_matches_paths(target: TargetModel, prefix: list[int], tree: Tree) -> None:
     cache = _prefilled(target, prefix)
-    out = target.verify(prefix[-1], tree, cache)
+    out = target.verify([prefix[-1]], [tree], cache)
     assert out.logits.shape == (1, len(tree) + 1, VOCAB)
-    assert target.cache_length(cache) == len(prefix) + len(tree)
+    assert cache.get_seq_length() == len(prefix) + len(tree)
     # one causal forward per root-to-leaf path (batched) covers every node on that path
     ref = _reference(target, *(prefix + [tree.tokens[i] for i in path] for path in tree.paths))
     checked = set()
@@ -150,9 +151,9 @@ def test_verification_negative_control():
     """A causal (chain) mask over the tree nodes is wrong for a tree; the check above must see it."""
     target = _target("llama")
     prefix, tree = _tokens(8, seed=4), Tree(PARENTS, _tokens(len(PARENTS), seed=3))
-    good = target.verify(prefix[-1], tree, _prefilled(target, prefix))
+    good = target.verify([prefix[-1]], [tree], _prefilled(target, prefix))
     cache = _prefilled(target, prefix)
-    past, t = target.cache_length(cache), len(tree) + 1
+    past, t = cache.get_seq_length(), len(tree) + 1
     positions = past + torch.cat([torch.zeros(1, dtype=torch.long), tree.position_offsets()])
     causal = torch.ones(t, past + t, dtype=torch.bool).tril(diagonal=past)[None, None]
     wrong = target.forward(torch.tensor([[prefix[-1], *tree.tokens]]), cache, positions[None], causal)
@@ -184,14 +185,14 @@ def test_compacted_cache_equals_recomputed_cache(family, impl, accepted):
     assert all(tree.parents[b] == a for a, b in zip([-1, *accepted], accepted, strict=False))
     prefix = _tokens(7, seed=8)
     cache = _prefilled(target, prefix)
-    past = target.cache_length(cache)
-    target.verify(prefix[-1], tree, cache)
-    target.compact_cache(cache, past, [0, *(1 + a for a in accepted)])
+    past = cache.get_seq_length()
+    target.verify([prefix[-1]], [tree], cache)
+    cache.compact([past], [Tree.cache_offsets(accepted)])
 
     committed = prefix + [tree.tokens[a] for a in accepted]
     ref_cache = target.new_cache()
     target.prefill(torch.tensor([committed]), ref_cache)
-    assert target.cache_length(cache) == target.cache_length(ref_cache) == len(committed)
+    assert cache.get_seq_length() == ref_cache.get_seq_length() == len(committed)
     assert len(cache.layers) == target.num_layers
     for (k, v), (rk, rv) in zip(_layer_kv(cache), _layer_kv(ref_cache), strict=True):
         assert k.shape == rk.shape and _close(k, rk) and _close(v, rv)
@@ -206,28 +207,26 @@ def test_compaction_negative_control():
     target = _target("llama")
     tree, prefix = Tree(PARENTS, _tokens(len(PARENTS), seed=7)), _tokens(7, seed=8)
     cache = _prefilled(target, prefix)
-    past = target.cache_length(cache)
-    target.verify(prefix[-1], tree, cache)
-    cache.crop(-(len(tree) + 1 - 3))  # root + the first two nodes, not the path root -> 1 -> 6
+    past = cache.get_seq_length()
+    target.verify([prefix[-1]], [tree], cache)
+    cache.set_lengths([past + 3])  # root + the first two nodes, not the path root -> 1 -> 6
     ref_cache = target.new_cache()
     target.prefill(torch.tensor([prefix + [tree.tokens[1], tree.tokens[6]]]), ref_cache)
-    assert target.cache_length(cache) == past + 3 == target.cache_length(ref_cache)
+    assert cache.get_seq_length() == past + 3 == ref_cache.get_seq_length()
     assert not _close(_layer_kv(cache)[0][0], _layer_kv(ref_cache)[0][0])
 
 
-def test_compact_cache_rejects_bad_arguments():
+def test_compact_rejects_bad_offsets():
     target = _target("llama")
     cache = target.new_cache()
     target.prefill(torch.tensor([_tokens(6, seed=9)]), cache)
     with pytest.raises(ValueError, match="strictly ascending"):
-        target.compact_cache(cache, 2, [0, 2, 1])
+        cache.compact([2], [[0, 2, 1]])
     with pytest.raises(ValueError, match="outside the cache of length 6"):
-        target.compact_cache(cache, 2, [0, 4])
-    assert target.cache_length(cache) == 6
-    sliding = DynamicCache(config=_model("mistral").config)  # sliding-window layers
-    TargetModel(_model("mistral")).prefill(torch.tensor([[1, 2, 3]]), sliding)
-    with pytest.raises(TypeError, match="new_cache"):
-        target.compact_cache(sliding, 1, [0])
+        cache.compact([2], [[0, 4]])
+    with pytest.raises(ValueError, match="one start and one offset list per request"):
+        cache.compact([2, 3], [[0], [0]])
+    assert cache.get_seq_length() == 6
 
 
 # ------------------------------------------------------------------------------------------- refusals
@@ -236,10 +235,13 @@ def test_compact_cache_rejects_bad_arguments():
 @pytest.mark.parametrize(
     "layers,pattern",
     [
-        ((0, 1, 4), r"outside the valid range \[0, 4\).*4 decoder layers"),
-        ((-1, 1, 2), r"\[-1\] outside the valid range \[0, 4\)"),
-        ((1, 2), "exactly 3 layer indices"),
-        ((0, 1, 2, 3), "exactly 3 layer indices"),
+        ((0, 1, 3), r"include layer 0: the input of layer 0 is the token embedding"),
+        ((-1, 1, 2), r"include layer -1"),
+        ((1, 2, 4), r"out of range for a target with 4 layers \(valid: 1 to 3\)"),
+        ((1, 1, 2), "repeat a layer"),
+        ((3, 1, 2), "are not ascending"),
+        ((1, 2), "exactly 3 target layers"),
+        ((0, 1, 2, 3), "exactly 3 target layers"),
     ],
 )
 def test_bad_feature_layers_are_rejected(layers, pattern):
@@ -288,11 +290,11 @@ def test_model_without_mask_positions_or_cache_inputs_is_rejected():
 
 def test_from_pretrained_local_folder(tmp_path):
     _model("qwen2").save_pretrained(tmp_path)
-    target = TargetModel.from_pretrained(str(tmp_path), feature_layers=(0, 1, 2), attn_implementation="eager")
-    assert target.feature_layers == (0, 1, 2) and not target.model.training
+    target = TargetModel.from_pretrained(str(tmp_path), feature_layers=(1, 2, 3), attn_implementation="eager")
+    assert target.feature_layers == (1, 2, 3) and not target.model.training
     tokens = _tokens(5, seed=10)
     out = target.prefill(torch.tensor([tokens]), target.new_cache())
-    assert _close(out.logits, _reference(TargetModel(_model("qwen2"), (0, 1, 2)), tokens).logits)
+    assert _close(out.logits, _reference(TargetModel(_model("qwen2"), (1, 2, 3)), tokens).logits)
 
 
 def test_forward_masks_and_hook_cleanup():

@@ -17,6 +17,7 @@ from eagle_tree.training.config import TrainConfig
 from eagle_tree.training.loop import BUDGET_PROBE_STEPS
 from eagle_tree.utils.config import ConfigError, load_config
 from eagle_tree.utils.optim import lambda_schedule, lr_factor
+from tests.helpers import PastKV
 from tests.wandb_records import read_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,8 +160,8 @@ def test_heldout_agreement_counts_the_continuation_positions_only():
     t = ids.shape[0]
     with torch.no_grad():
         mask = torch.ones(1, 1, t - 1, t - 1, dtype=torch.bool).tril()
-        _, draft_logits, _ = head.step(head.fuse(features[None, : t - 1]), ids[None, 1:],
-                                       torch.arange(t - 1)[None], None, mask)
+        _, draft_logits = head.step(head.fuse(features[None, : t - 1]), ids[None, 1:],
+                                    torch.arange(t - 1)[None], PastKV(), mask)
     guess = head.draft_to_target[draft_logits[0].argmax(-1)]  # (T-1,): guess for token j+2 at position j
     top = logits.argmax(-1)  # top[j + 1]: the target's next token after j+1, i.e. token j+2
     for start in (0, 25):

@@ -8,6 +8,7 @@ from eagle_tree.data.tiny import FAMILIES, tiny_causal_lm
 from eagle_tree.decoding.drafting import Drafter
 from eagle_tree.models.target import TargetModel
 from eagle_tree.training.ttt import simulated_acceptance_length, ttt_forward
+from tests.helpers import follow
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -31,7 +32,7 @@ def test_training_step_s_equals_drafting_depth_s(setup, c):
     for row in range(2):
         drafter = Drafter(draft, et.TreeConfig.chain(steps))
         drafter.catch_up(feats[row : row + 1, : c + 1], x[row : row + 1, 1 : c + 2])
-        along = drafter.follow(x[row, c + 2 : c + 1 + steps].tolist())
+        along = follow(drafter, x[row, c + 2 : c + 1 + steps].tolist())
         for s in range(steps):
             torch.testing.assert_close(along[s], res.logits[s][row, c].float(), atol=2e-5, rtol=1e-4)
 
@@ -43,7 +44,7 @@ def test_pin_detects_a_position_shift(setup):
     drafter = Drafter(draft, et.TreeConfig.chain(3))
     drafter.catch_up(feats[:1, :5], x[:1, 1:6])
     # the head fed the wrong token at depth 2 must disagree with training's step 1
-    wrong = drafter.follow([int(x[0, 6]) + 1])
+    wrong = follow(drafter, [int(x[0, 6]) + 1])
     assert not torch.allclose(wrong[1], res.logits[1][0, 4].float(), atol=1e-4)
 
 

@@ -14,7 +14,6 @@ from eagle_tree.core.sampling import SamplingConfig
 from eagle_tree.decoding.decoder import GenerateOutput
 from eagle_tree.decoding.drafting import TreeConfig
 from eagle_tree.decoding.metrics import per_position_acceptance, summarize
-from eagle_tree.decoding.shapes import ShapeMeasurement
 
 
 def survival_depth(method: Method, outputs: Sequence[GenerateOutput]) -> int:
@@ -26,21 +25,6 @@ def survival_depth(method: Method, outputs: Sequence[GenerateOutput]) -> int:
         depth = method.tree.depth if method.head else 0
         return max(depth, context.lookup_tokens if context is not None else 0)
     return max((r.tree_size for o in outputs for r in o.rounds), default=0)
-
-
-def shape_measurements(result: PhaseResult) -> list[ShapeMeasurement]:
-    """Per-round means C (seconds) and K (committed tokens) of every eagle shape of a phase."""
-    measured = []
-    for method in result.methods:
-        if method.kind != "eagle" or method.tree is None or not method.head:
-            continue
-        rounds = [r for rep in result.outputs[method.name] for o in rep for r in o.rounds]
-        if not rounds:
-            raise ValueError(f"{method.name} ran no speculative round; raise max_new_tokens")
-        c = sum(r.total_s for r in rounds) / len(rounds)
-        k = sum(r.committed for r in rounds) / len(rounds)
-        measured.append(ShapeMeasurement(method.tree, c, k, len(rounds)))
-    return measured
 
 
 def _tpot(outputs: Sequence[GenerateOutput]) -> float:

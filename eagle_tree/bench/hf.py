@@ -11,7 +11,7 @@ other_s = the rest of the time between two puts.
 
 :func:`hf_generate_batch` is the batched baseline of the serving bench: one ``generate`` call over
 left-padded prompts, observed by an :class:`HFBatchRecorder`, returned as the batched engine's
-:class:`~eagle_tree.decoding.batch.BatchOutput`.
+:class:`~eagle_tree.decoding.rounds.BatchOutput`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from eagle_tree.core.sampling import SamplingConfig
-from eagle_tree.decoding.batch import BatchOutput, RequestResult
-from eagle_tree.decoding.decoder import GenerateOutput, RoundStats
+from eagle_tree.decoding.decoder import GenerateOutput
+from eagle_tree.decoding.rounds import BatchOutput, RequestResult, RoundStats
 
 
 class _ForwardClock:

@@ -5,7 +5,7 @@ For a target and a head, :func:`round_split` measures, on the target's device:
 - one target step (a one-token forward on a cache of ``context`` tokens) and the verify forward of
   k tokens (the root and a chain of k - 1 nodes under the tree mask) for k = 1 .. 64, each also as a
   multiple of the step;
-- one head forward (``Drafter.follow`` of one token after a catch-up on the context);
+- one head forward (one head step of one token below the root after ``Drafter.catch_up`` on the context);
 - whole decoding calls (``SpeculativeDecoder.generate``, EOS ignored) of plain decoding, chain-4 and
   tree d6 k8 n48: draft / verify / other milliseconds per round, the other share, tokens per round,
   time per output token, and the peak memory of a call (``PeakMemory``: CUDA's allocator on a GPU);
@@ -115,14 +115,14 @@ def verify_costs(target: TargetModel, context: torch.Tensor, reps: int, ks=VERIF
     device = target.device
     cache = target.new_cache(context.shape[1] + max(ks) + 1)
     target.prefill(context.to(device), cache)
-    past, root = target.cache_length(cache), int(context[0, -1])
+    past, root = cache.lengths[0], int(context[0, -1])
     rows = []
     for k in ks:
         tree = Tree(list(range(-1, k - 2)), [root] * (k - 1))  # the root and a chain of k - 1 nodes
 
         def once(tree=tree):
-            target.verify(root, tree, cache)
-            target.compact_cache(cache, past, [])  # back to the context
+            target.verify([root], [tree], cache)
+            cache.compact([past], [[]])  # back to the context
 
         rows.append({"k": k, "ms": median_ms(once, device, reps)})
     step = rows[0]["ms"]
@@ -133,7 +133,7 @@ def verify_costs(target: TargetModel, context: torch.Tensor, reps: int, ks=VERIF
 
 @torch.no_grad()
 def head_forward_ms(target: TargetModel, head: Eagle3DraftModel, context: torch.Tensor, reps: int) -> float:
-    """One head forward of one token after a catch-up on ``context`` (``Drafter.follow``), in ms."""
+    """One head forward of one token after a catch-up on ``context`` (``Drafter.catch_up``), in ms."""
     device = target.device
     cache = target.new_cache(context.shape[1] + 1)
     out = target.prefill(context.to(device), cache)
@@ -142,8 +142,15 @@ def head_forward_ms(target: TargetModel, head: Eagle3DraftModel, context: torch.
     drafter.reset()
     nxt = torch.cat([context[:, 1:], context[:, -1:]], 1).to(device)  # (1, P): the token after each position
     drafter.catch_up(out.features, nxt)
-    token = int(context[0, -1])
-    return median_ms(lambda: drafter.follow([token]), device, reps)
+    committed = drafter.cache.length
+    ids, pos = torch.tensor([[int(context[0, -1])]], device=device), torch.tensor([[committed]], device=device)
+    visible = torch.ones(1, 1, 1, committed + 1, dtype=torch.bool, device=device)
+
+    def once():  # one step below the root, then the draft cache back to the committed pairs
+        head.step(drafter.last_hidden, ids, pos, drafter.cache, visible)
+        drafter.cache.crop(committed)
+
+    return median_ms(once, device, reps)
 
 
 def decode_split(target: TargetModel, head: Eagle3DraftModel, prompts: list[torch.Tensor], new_tokens: int,

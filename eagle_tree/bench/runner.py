@@ -29,7 +29,6 @@ from eagle_tree.bench.memory import PeakMemory
 from eagle_tree.core.sampling import SamplingConfig
 from eagle_tree.decoding.decoder import GenerateOutput, SpeculativeDecoder
 from eagle_tree.decoding.drafting import TreeConfig
-from eagle_tree.decoding.shapes import shape_name
 from eagle_tree.models.target import TargetModel
 
 
@@ -57,8 +56,8 @@ class Method:
             if self.tree is None:
                 return "head defaults (decoding.json)" if self.head else "no draft"
             if not self.head:
-                return "context only, " + shape_name(self.tree).split("+", 1)[1]
-            return shape_name(self.tree)
+                return "context only, " + self.tree.name.split("+", 1)[1]
+            return self.tree.name
         if self.assistant:
             return "assistant model"
         return f"prompt lookup, {self.prompt_lookup_tokens} tokens" if self.prompt_lookup_tokens else "no draft"
@@ -69,14 +68,14 @@ HF_GENERATE = Method("hf_generate", "hf")
 
 
 def eagle_method(tree: TreeConfig) -> Method:
-    return Method(shape_name(tree), "eagle", tree=tree)
+    return Method(tree.name, "eagle", tree=tree)
 
 
 def context_only_method(tree: TreeConfig) -> Method:
     """Context branches without a head: a prompt-lookup decoder in eagle-tree's loop."""
     if tree.context is None:
         raise ValueError("a context-only method needs TreeConfig(context=ContextConfig(...))")
-    return Method(f"context-only-{shape_name(tree).split('+', 1)[1]}", "eagle", tree=tree, use_head=False)
+    return Method(f"context-only-{tree.name.split('+', 1)[1]}", "eagle", tree=tree, use_head=False)
 
 
 HEAD_DEFAULTS = Method("head_defaults", "eagle", use_head=True)
@@ -197,3 +196,34 @@ def run_phase(
             log(f"[{phase} {i + 1}/{len(calls)}] repeat {r} prompt {p} {method.name}: {out.new_tokens} tokens "
                 f"in {out.total_s:.3f} s")
     return PhaseResult(phase, list(methods), outputs, peaks, schedule, memory_method)
+
+
+def load_bench_models(target: str, head: str | None, methods, dtype: str, device: str = "cpu",
+                      assistant: str | None = None, assistant_tokens: int | None = None) -> BenchModels:
+    """BenchModels: the target and head through the decoders' loader (``load_decoder``), plus the
+    assistant model when ``methods`` hold hf_assisted; moved to ``device``."""
+    from eagle_tree.decoding.loading import load_decoder
+    from eagle_tree.utils.checks import InputError, check_finite_weights, check_target_path
+
+    wants_head = any(m in methods for m in ("chain", "tree", "head_defaults"))
+    if wants_head and head is None:
+        raise InputError("methods chain / tree need a draft head: set head=PATH or drop them from `methods`")
+    if "hf_assisted" in methods:
+        if assistant is None:
+            raise InputError("method hf_assisted needs an assistant model: set assistant=PATH or drop it")
+        check_target_path(assistant, "assistant")
+    head = head if wants_head else None
+    decoder, tokenizer = load_decoder(target, head, "tree" if head else "plain", dtype, TreeConfig())
+    model, draft = decoder.target, decoder.draft
+    helper = None
+    if "hf_assisted" in methods:
+        from transformers import AutoModelForCausalLM
+
+        helper = AutoModelForCausalLM.from_pretrained(assistant, dtype=getattr(torch, dtype)).eval()
+        check_finite_weights(helper, f"the assistant model in {assistant}")
+    if device != "cpu":
+        model.model.to(device)
+        for module in (draft, helper):
+            if module is not None:
+                module.to(device)
+    return BenchModels(model, tokenizer, head=draft, assistant=helper, assistant_tokens=assistant_tokens)

@@ -1,7 +1,7 @@
 """The serving sweep (``eagle-tree bench serving``): batched and continuous-load decoding, measured.
 
 Every method decodes a batch of requests through one call that returns a
-:class:`~eagle_tree.decoding.batch.BatchOutput` (per-request token times): eagle-tree's
+:class:`~eagle_tree.decoding.rounds.BatchOutput` (per-request token times): eagle-tree's
 ``SpeculativeDecoder.generate_batch`` (plain decoding, draft=None, and the head's chain and tree
 shapes) and Hugging Face's batched ``generate`` over left-padded prompts (eagle_tree.bench.hf). The
 continuous-load mode drives ``SpeculativeDecoder.serve`` with Poisson arrivals.
@@ -9,7 +9,7 @@ continuous-load mode drives ``SpeculativeDecoder.serve`` with Poisson arrivals.
 The pieces, each usable alone:
 
 - shapes and methods by name: ``none`` (plain), ``chain-4``, ``tree-d4k4n16`` (``-sampled``, ``+ctx8``
-  as in :func:`~eagle_tree.decoding.shapes.shape_name`), ``hf_generate``, ``tuned``;
+  as ``TreeConfig.name`` spells them), ``hf_generate``, ``tuned``;
 - :func:`context_prompts`: requests of an exact prompt length built from a prompt file;
 - :func:`batch_figures`: the per-cell figures (throughput, TTFT, latency, TPOT, gaps, acceptance);
 - :func:`pick_tuned` and :func:`crossover_batch_size`: the tuned shape per batch size and where it
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import random
-import re
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,50 +31,21 @@ import torch
 from eagle_tree.bench.hf import hf_generate_batch
 from eagle_tree.bench.memory import PeakMemory
 from eagle_tree.bench.runner import BenchModels
+from eagle_tree.bench.tuning import NONE, crossover_batch_size, pick_tuned
 from eagle_tree.core.sampling import SamplingConfig
-from eagle_tree.decoding.batch import BatchOutput, Request
-from eagle_tree.decoding.context import ContextConfig
 from eagle_tree.decoding.drafting import TreeConfig
-from eagle_tree.decoding.shapes import shape_name
+from eagle_tree.decoding.metrics import quantile
+from eagle_tree.decoding.rounds import BatchOutput, Request
 
-NONE = "none"
-"""The candidate shape name of plain decoding (no draft)."""
 TUNED = "tuned"
 """The method that runs, per context and batch size, the shape the tuning pass picked."""
 HF_GENERATE = "hf_generate"
 PLAIN = "plain"
 
-_SHAPE = re.compile(r"^(?:chain-(?P<chain>\d+)|tree-d(?P<depth>\d+)k(?P<top_k>\d+)n(?P<total>\d+))"
-                    r"(?P<sampled>-sampled)?(?:\+ctx(?P<lookup>\d+)(?:x(?P<branches>\d+))?)?$")
-
-
 def parse_shape(name: str) -> TreeConfig | None:
-    """The draft shape a name stands for: ``none`` -> None (plain decoding), ``chain-4``,
-    ``tree-d4k4n16``, with ``-sampled`` and ``+ctx8`` / ``+ctx8x2`` (context branches, other settings at
-    their defaults) as :func:`shape_name` writes them. Raises ValueError naming the expected forms."""
-    if name == NONE:
-        return None
-    match = _SHAPE.match(name)
-    tree = None
-    if match:
-        sampled = match["sampled"] is not None
-        context = None
-        if match["lookup"]:
-            context = ContextConfig(lookup_tokens=int(match["lookup"]), branches=int(match["branches"] or 1))
-        try:
-            if match["chain"]:
-                tree = TreeConfig(depth=int(match["chain"]), top_k=1, total_tokens=int(match["chain"]),
-                                  sampled=sampled, context=context)
-            else:
-                tree = TreeConfig(depth=int(match["depth"]), top_k=int(match["top_k"]),
-                                  total_tokens=int(match["total"]), sampled=sampled, context=context)
-        except ValueError as exc:
-            raise ValueError(f"shape {name!r}: {exc}") from exc
-    if tree is None or shape_name(tree) != name:
-        raise ValueError(f"{name!r} is not a draft shape: expected 'none' (plain decoding), 'chain-N' or "
-                         "'tree-dDEPTHkTOPKnTOTAL' (e.g. chain-4, tree-d4k4n16), optionally with '-sampled' and "
-                         "'+ctxN' or '+ctxNxBRANCHES'")
-    return tree
+    """The draft shape a name stands for: ``none`` -> None (plain decoding), else
+    ``TreeConfig.from_name`` (``chain-4``, ``tree-d4k4n16``, ``-sampled``, ``+ctx8x2-g2to4``, ...)."""
+    return None if name == NONE else TreeConfig.from_name(name)
 
 
 @dataclass(frozen=True)
@@ -91,7 +61,7 @@ class ServingMethod:
     def shape(self) -> str:
         if self.kind == "hf":
             return "hf generate (no draft)"
-        return NONE if self.tree is None else shape_name(self.tree)
+        return NONE if self.tree is None else self.tree.name
 
 
 def shape_method(shape: str) -> ServingMethod:
@@ -186,20 +156,6 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
 # ---------------------------------------------------------------------------------- figures
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-quantile (0 <= q <= 1) by linear interpolation between order statistics (numpy's default
-    and torch.quantile's); None for no values."""
-    if not 0 <= q <= 1:
-        raise ValueError(f"q must be in [0, 1], got {q}")
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = q * (len(ordered) - 1)
-    low = math.floor(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
 def _mean(values: Sequence[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
@@ -223,34 +179,16 @@ def batch_figures(outputs: Sequence[BatchOutput]) -> dict[str, Any]:
         "throughput_tok_s": tokens / total if total > 0 else None,
         "ttft_mean_s": _mean([r.ttft_s for r in results]),
         "latency_mean_s": _mean(latencies),
-        "latency_p50_s": percentile(latencies, 0.5),
-        "latency_p95_s": percentile(latencies, 0.95),
+        "latency_p50_s": quantile(latencies, 0.5),
+        "latency_p95_s": quantile(latencies, 0.95),
         "tpot_mean_s": _mean([r.tpot_s for r in results if r.new_tokens > 1]),
-        "gap_p50_s": percentile(gaps, 0.5),
-        "gap_p95_s": percentile(gaps, 0.95),
+        "gap_p50_s": quantile(gaps, 0.5),
+        "gap_p95_s": quantile(gaps, 0.95),
         "acceptance_length": sum(rounds) / len(rounds) if rounds else None,
         "queue_mean_s": _mean([r.admitted_s - r.arrival_s for r in results]),
         "eos_stops": sum(r.stopped_by == "eos" for r in results),
         "cache_peak_mb": max((o.peak_cache_bytes for o in outputs), default=0) / 2**20 or None,
     }
-
-
-def pick_tuned(throughputs: Mapping[str, float]) -> str:
-    """The candidate shape with the highest throughput (the first one listed on a tie)."""
-    if not throughputs:
-        raise ValueError("no candidate shape was measured")
-    return max(throughputs, key=lambda name: throughputs[name])
-
-
-def crossover_batch_size(tuned: Mapping[int, str]) -> int | None:
-    """The smallest batch size from which on the tuned shape is plain decoding (``none``) at every
-    larger batch size measured; None when speculation still wins at the largest one."""
-    crossover = None
-    for batch in sorted(tuned, reverse=True):
-        if tuned[batch] != NONE:
-            break
-        crossover = batch
-    return crossover
 
 
 # ---------------------------------------------------------------------------------- running
@@ -313,9 +251,9 @@ class Sweep:
             for _, method in order:
                 self._warm(method, prompts[:batch])
             for r in range(tuning_repeats):
-                rows = prompts[r * batch:(r + 1) * batch]
+                batch_prompts = prompts[r * batch:(r + 1) * batch]
                 for name, method in _rotated(order, r):
-                    outputs[name].append(run_batch(self.models, method, rows, max_new_tokens, self.sampling,
+                    outputs[name].append(run_batch(self.models, method, batch_prompts, max_new_tokens, self.sampling,
                                                    self.seed + r, self.eos_token_id))
             throughput[batch] = {c: batch_figures(outputs[c])["throughput_tok_s"] or 0.0 for c in candidates}
             tuned[batch] = pick_tuned(throughput[batch])
@@ -381,7 +319,7 @@ class Sweep:
              max_new_tokens: int, max_batch: int, tuned_shape: str | None = None) -> list[dict]:
         """One row per (arrival rate, method), in the order of ``methods``: ``len(prompts)`` requests with
         Poisson arrival times (seed ``seed``; the same times for every method at a rate) served by
-        continuous batching with at most ``max_batch`` rows, the methods run in an order rotated per
+        continuous batching with at most ``max_batch`` requests, the methods run in an order rotated per
         rate. hf_generate is skipped (it has no continuous batching); ``tuned`` runs ``tuned_shape``, or
         reuses the row of the method that has that shape."""
         rows = []

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Literal
 
 from eagle_tree.bench.mtbench import MTBenchSection
+from eagle_tree.bench.tuning import CHAIN_LENGTHS, TREES
 from eagle_tree.commands.decode import GenerationOptions
 from eagle_tree.decoding.context import ContextConfig
 from eagle_tree.decoding.drafting import TreeConfig
@@ -68,11 +69,9 @@ class BenchConfig(GenerationOptions):
     """Passes over the tuning prompts."""
     warmup: int = 1
     """Prompts every method decodes first in each phase, unrecorded."""
-    chain_lengths: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8])
+    chain_lengths: list[int] = field(default_factory=lambda: list(CHAIN_LENGTHS))
     """Candidate chain lengths."""
-    trees: list[TreeConfig] = field(default_factory=lambda: [
-        TreeConfig(depth=4, top_k=4, total_tokens=16), TreeConfig(depth=5, top_k=6, total_tokens=32),
-        TreeConfig(depth=6, top_k=8, total_tokens=48)])
+    trees: list[TreeConfig] = field(default_factory=lambda: list(TREES))
     """Candidate trees (depth, top_k, total_tokens, sampled)."""
     contexts: list[ContextConfig] = field(default_factory=list)
     """Context settings (lookup_tokens, max_ngram, min_ngram, branches, first): every candidate shape is
@@ -116,76 +115,11 @@ class BenchConfig(GenerationOptions):
             check_range(f"chain_lengths[{i}]", n, 1)
 
 
-TINY_PROMPTS = {
-    "tuning": ["def add(a, b):\n    return", "import os\nimport sys\n\n", "class Point:\n    def __init__(self",
-               "for i in range(10):\n    print("],
-    "test": ["def main():\n    args =", "with open(path) as f:\n    data", "if __name__ == '__main__':\n",
-             "x = [i * i for i in", "while True:\n    line = input("],
-}
-
-
-def build_tiny_assets(folder: str | Path) -> dict[str, Path]:
-    """A tiny random Llama (char tokenizer), an untrained head, the target's own weights as the
-    assistant, and tuning / test prompt files, built once in ``folder`` (new or empty; a folder that
-    holds anything else is refused, never cleared); returns their paths."""
-    from eagle_tree.utils.atomic import atomic_dir
-    from eagle_tree.utils.outputs import check_output_dir
-
-    folder = Path(folder)
-    paths = {"target": folder / "target", "head": folder / "head", "assistant": folder / "assistant",
-             "tuning_prompts": folder / "tuning.jsonl", "test_prompts": folder / "test.jsonl"}
-    if (folder / "COMPLETE").is_file():
-        return paths
-    check_output_dir(folder, "tiny_assets build", writes=[p.name for p in paths.values()],
-                     replaces_folder=True, option=None)
-    from eagle_tree.data.tiny import char_tokenizer, tiny_causal_lm
-    from eagle_tree.models.head import Eagle3DraftModel
-
-    with atomic_dir(folder) as tmp:
-        tok = char_tokenizer()
-        model = tiny_causal_lm("llama", vocab_size=len(tok), num_layers=4, attn_implementation="sdpa",
-                               eos_token_id=tok.eos_token_id, bos_token_id=None, pad_token_id=tok.unk_token_id)
-        for name in ("target", "assistant"):
-            model.save_pretrained(tmp / name)
-            tok.save_pretrained(tmp / name)
-        Eagle3DraftModel.from_target(model).save_pretrained(tmp / "head")
-        for split, prompts in TINY_PROMPTS.items():
-            (tmp / f"{split}.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-        (tmp / "COMPLETE").write_text("tiny bench assets\n")
-    return paths
-
-
 def load_bench_models(cfg: BenchConfig):
-    """BenchModels: the target and head through ``eagle-tree decode``'s loader, plus the assistant."""
-    import torch
+    """BenchModels for the config (``eagle_tree.bench.runner.load_bench_models``)."""
+    from eagle_tree.bench.runner import load_bench_models as load
 
-    from eagle_tree.bench.runner import BenchModels
-    from eagle_tree.commands.decode import DecodeConfig, load_models
-    from eagle_tree.utils.checks import InputError, check_finite_weights, check_target_path
-
-    wants_head = any(m in cfg.methods for m in ("chain", "tree", "head_defaults"))
-    if wants_head and cfg.head is None:
-        raise InputError("methods chain / tree need a draft head: set head=PATH or drop them from `methods`")
-    if "hf_assisted" in cfg.methods:
-        if cfg.assistant is None:
-            raise InputError("method hf_assisted needs an assistant model: set assistant=PATH or drop it")
-        check_target_path(cfg.assistant, "assistant")
-    head = cfg.head if wants_head else None
-    decoder, tokenizer = load_models(DecodeConfig(target=cfg.target, head=head, mode="tree" if head else "plain",
-                                                  dtype=cfg.dtype))
-    target, draft = decoder.target, decoder.draft
-    assistant = None
-    if "hf_assisted" in cfg.methods:
-        from transformers import AutoModelForCausalLM
-
-        assistant = AutoModelForCausalLM.from_pretrained(cfg.assistant, dtype=getattr(torch, cfg.dtype)).eval()
-        check_finite_weights(assistant, f"the assistant model in {cfg.assistant}")
-    if cfg.device != "cpu":
-        target.model.to(cfg.device)
-        for module in (draft, assistant):
-            if module is not None:
-                module.to(cfg.device)
-    return BenchModels(target, tokenizer, head=draft, assistant=assistant, assistant_tokens=cfg.assistant_tokens)
+    return load(cfg.target, cfg.head, cfg.methods, cfg.dtype, cfg.device, cfg.assistant, cfg.assistant_tokens)
 
 
 def baseline_methods(cfg: BenchConfig):
@@ -206,13 +140,11 @@ def baseline_methods(cfg: BenchConfig):
 
 
 def candidate_shapes(cfg: BenchConfig) -> list[TreeConfig]:
-    """Chains and trees, each without context and with every `contexts` entry."""
-    from dataclasses import replace
+    """The tuning candidates of the config (``eagle_tree.bench.tuning.candidate_shapes``)."""
+    from eagle_tree.bench.tuning import candidate_shapes as candidates
 
-    shapes = [TreeConfig.chain(n, sampled=False) for n in cfg.chain_lengths] if "chain" in cfg.methods else []
-    shapes += list(cfg.trees) if "tree" in cfg.methods else []
-    shapes += [replace(s, context=c) for c in cfg.contexts for s in shapes if s.context is None]
-    return list(dict.fromkeys(shapes))
+    return candidates(cfg.chain_lengths if "chain" in cfg.methods else [], cfg.trees if "tree" in cfg.methods else [],
+                      cfg.contexts)
 
 
 def _decoding_folders(cfg: BenchConfig, out_dir: Path) -> list[Path]:
@@ -222,9 +154,9 @@ def _decoding_folders(cfg: BenchConfig, out_dir: Path) -> list[Path]:
 
 def tune_shapes(cfg: BenchConfig, models, tuning_ids, out_dir: Path, **common):
     """Run every candidate shape on the tuning prompts; write shapes.json; return (its dict, selection)."""
-    from eagle_tree.bench.aggregate import shape_measurements
     from eagle_tree.bench.runner import eagle_method, run_phase
-    from eagle_tree.decoding.shapes import save_decoding_defaults, save_tuned_shapes, selection
+    from eagle_tree.bench.tuning import save_tuned_shapes, selection, shape_measurements
+    from eagle_tree.decoding.shapes import save_decoding_defaults
 
     shapes = candidate_shapes(cfg)
     print(f"tuning {len(shapes)} shapes on {len(tuning_ids)} prompts x {cfg.tuning_repeats} ({cfg.tuning_prompts})")
@@ -256,10 +188,10 @@ def run(cfg: BenchConfig) -> int:
     from eagle_tree.bench.aggregate import method_rows
     from eagle_tree.bench.machine import conditions
     from eagle_tree.bench.runner import eagle_method, run_phase
-    from eagle_tree.commands.decode import encode
+    from eagle_tree.data.tiny import build_tiny_assets
     from eagle_tree.utils.checks import InputError
     from eagle_tree.utils.outputs import check_output_dir, mark_output_dir
-    from eagle_tree.utils.prompts import read_prompt_file
+    from eagle_tree.utils.prompts import encode_for_target, read_prompt_file
     from eagle_tree.utils.tracking import RunLogger
 
     out_dir = Path(cfg.output_dir)
@@ -283,7 +215,8 @@ def run(cfg: BenchConfig) -> int:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     models = load_bench_models(cfg)
-    test_ids, tuning_ids = (encode(prompts, models.target, models.tokenizer, cfg.max_new_tokens, cfg.truncate_prompts)
+    test_ids, tuning_ids = (encode_for_target(prompts, models.target, models.tokenizer, cfg.max_new_tokens,
+                                              cfg.truncate_prompts)
                             for prompts in (test_prompts, tuning_prompts))
     mark_output_dir(out_dir, BENCH_KIND)
     save_config(cfg, out_dir / "config.yaml")
@@ -296,8 +229,8 @@ def run(cfg: BenchConfig) -> int:
         if shared:
             raise InputError(f"{len(shared)} tuning prompt(s) of {cfg.tuning_prompts} are MT-bench turns: tune on "
                              "other prompts than the ones reported")
-        test_ids = encode([p.as_prompt() for p in test_prompts], models.target, models.tokenizer, cfg.max_new_tokens,
-                          cfg.truncate_prompts)
+        test_ids = encode_for_target([p.as_prompt() for p in test_prompts], models.target, models.tokenizer,
+                                     cfg.max_new_tokens, cfg.truncate_prompts)
     common = dict(max_new_tokens=cfg.max_new_tokens, sampling=cfg.sampling, seed=cfg.seed, warmup=cfg.warmup,
                   eos_token_id=models.tokenizer.eos_token_id if cfg.stop_at_eos else None,
                   log=print if cfg.verbose else None)

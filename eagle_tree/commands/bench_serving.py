@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from eagle_tree.bench.tuning import SERVING_CANDIDATES
 from eagle_tree.commands.decode import CommandSampling
 from eagle_tree.utils.checks import check_range
 from eagle_tree.utils.config import ConfigValueError, config_to_dict, parse_cli, save_config
@@ -72,8 +73,7 @@ class ServingBenchConfig:
     methods: list[str] = field(default_factory=lambda: ["plain", "chain-2", "tree-d3k2n6", "tuned", "hf_generate"])
     """plain (draft=None), hf_generate (HF batched generate, left padding), tuned (the tuned shape of each
     batch size) and head shapes by name: chain-N, tree-dDkKnN (e.g. tree-d4k4n16), -sampled, +ctxN."""
-    candidates: list[str] = field(default_factory=lambda: [
-        "none", "chain-1", "chain-2", "chain-3", "tree-d2k2n4", "tree-d3k2n6", "tree-d4k4n16"])
+    candidates: list[str] = field(default_factory=lambda: list(SERVING_CANDIDATES))
     """Shapes the tuning pass picks from per batch size (none = plain decoding)."""
     tuning_tokens: int = 64
     """Output budget of the tuning pass (capped like output_budgets)."""
@@ -168,10 +168,11 @@ KIND = "eagle-tree bench serving"
 FILES = ("config.yaml", "serving.json", "serving.md", "throughput.png", "latency_p95.png")
 
 NOTES = {
-    "batching": "sweep: each batch of B requests starts together (all arrive and are admitted at 0) and rows leave "
-                "as they finish (generate_batch); hf_generate is a static batch over left-padded prompts (a finished "
-                "row is computed on pad tokens until the last row ends)",
-    "continuous_load": "SpeculativeDecoder.serve: FIFO admission between rounds into free rows (at most max_batch); "
+    "batching": "sweep: each batch of B requests starts together (all arrive and are admitted at 0) and requests "
+                "leave as they finish (generate_batch); hf_generate is a static batch over left-padded prompts (a "
+                "finished request is computed on pad tokens until the last one ends)",
+    "continuous_load": "SpeculativeDecoder.serve: FIFO admission between rounds while fewer than max_batch requests "
+                       "run; "
                        "the requests that have arrived by then are prefilled together as one batch before the next "
                        "round; arrivals follow the real clock (Poisson, seeded, the same times for every method); "
                        "hf_generate has no continuous batching and is not in the load",
@@ -248,7 +249,7 @@ def run(cfg: ServingBenchConfig) -> int:
 
     from eagle_tree.bench.machine import conditions
     from eagle_tree.bench.serving import HF_GENERATE, TUNED, Sweep, context_prompts
-    from eagle_tree.commands.bench import build_tiny_assets
+    from eagle_tree.data.tiny import build_tiny_assets
     from eagle_tree.utils.checks import InputError
     from eagle_tree.utils.outputs import check_output_dir, mark_output_dir
     from eagle_tree.utils.prompts import read_prompts

@@ -6,7 +6,6 @@ histogram and the summary to W&B (offline when no API key is set; ``wandb.mode=d
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 from dataclasses import dataclass, field
@@ -110,74 +109,12 @@ def check_output(cfg: DecodeConfig) -> None:
                       recognise=lambda _: ours)
 
 
-def check_head_path(head: str) -> None:
-    from eagle_tree.utils.checks import InputError
-
-    if not Path(head).is_dir():
-        raise InputError(f"head={head}: no such folder; expected an EAGLE-3 head folder (config.json and "
-                         "model.safetensors), or mode=plain to decode without one")
-
-
 def load_models(cfg: DecodeConfig):
-    """(SpeculativeDecoder, tokenizer) for the config; the target path, the head path and the head's
-    weights are checked first (eagle_tree.utils.checks)."""
-    import torch
+    """(SpeculativeDecoder, tokenizer) for the config (``eagle_tree.decoding.loading.load_decoder``)."""
+    from eagle_tree.decoding.loading import load_decoder
 
-    from eagle_tree.decoding.decoder import SpeculativeDecoder
-    from eagle_tree.models.gguf import load_tokenizer
-    from eagle_tree.models.head import Eagle3DraftModel
-    from eagle_tree.models.target import TargetModel
-    from eagle_tree.utils.checks import InputError, check_finite_weights, check_target_path, reading
-
-    check_target_path(cfg.target)
-    if cfg.mode != "plain":
-        if cfg.head is None:
-            raise InputError(f"mode={cfg.mode} needs a draft head: set head=PATH (or mode=plain)")
-        check_head_path(cfg.head)
-    dtype = getattr(torch, cfg.dtype)
-    with reading(f"target={cfg.target}: its tokenizer cannot be loaded",
-                 "the folder needs the tokenizer files (tokenizer.json or tokenizer_config.json) beside the model"):
-        tokenizer = load_tokenizer(cfg.target)
-    head = None
-    if cfg.mode != "plain":
-        head_path = Path(cfg.head)
-        layers = None
-        if (head_path / "config.json").is_file():
-            from eagle_tree.models.layouts import read_config
-
-            with contextlib.suppress(ValueError):  # layers unknown until the target is loaded
-                layers = read_config(json.loads((head_path / "config.json").read_text())).feature_layers
-        target = TargetModel.from_pretrained(cfg.target, dtype=dtype, feature_layers=layers)
-        head = Eagle3DraftModel.from_pretrained(cfg.head, target=target, dtype=dtype)
-        check_finite_weights(head, f"the head in {cfg.head}")
-    else:
-        target = TargetModel.from_pretrained(cfg.target, dtype=dtype)
     tree = TreeConfig.chain(cfg.chain_length, sampled=cfg.tree.sampled) if cfg.mode == "chain" else cfg.tree
-    if cfg.mode == "auto":
-        from eagle_tree.decoding.shapes import load_tuned_shape
-
-        with reading(f"shapes={cfg.shapes}", "rerun `eagle-tree bench` to write it, or point shapes= at its file"):
-            tree = load_tuned_shape(cfg.shapes)
-    if cfg.mode == "default":
-        defaults = Path(cfg.head) / "decoding.json"
-        with reading(f"{defaults} (the head's decoding defaults)", "delete it or rewrite it with `eagle-tree bench "
-                     "head_defaults=true`"):
-            if defaults.is_file() and not isinstance(json.loads(defaults.read_text()), dict):
-                raise ValueError("not a JSON object")
-            decoder = SpeculativeDecoder(target, head)  # no tree=: the shapes of the head folder's decoding.json
-        if not decoder.defaults:
-            raise InputError(f"mode=default: {cfg.head} holds no decoding.json; tune one with `eagle-tree bench "
-                             "head_defaults=true ...` (docs/BENCHMARKS.md), or use mode=tree / chain / auto")
-        return decoder, tokenizer
-    return SpeculativeDecoder(target, head, tree=tree), tokenizer
-
-
-def encode(prompts, target, tokenizer, max_new_tokens: int, truncate: str):
-    """Token ids of ``prompts`` for ``target``: checked against its vocabulary and positions."""
-    from eagle_tree.utils.prompts import encode_prompts, max_positions
-
-    return encode_prompts(tokenizer, prompts, vocab_size=target.vocab_size, max_positions=max_positions(target.config),
-                          max_new_tokens=max_new_tokens, truncate=truncate)
+    return load_decoder(cfg.target, cfg.head, cfg.mode, cfg.dtype, tree, cfg.shapes)
 
 
 def main(argv: list[str]) -> int:
@@ -196,14 +133,14 @@ def run(cfg: DecodeConfig) -> int:
     """Check the output path and read the prompts, load the models, check the prompts against the
     target, then decode."""
     from eagle_tree.decoding.metrics import summarize
-    from eagle_tree.utils.prompts import Prompt, read_prompt_file
+    from eagle_tree.utils.prompts import Prompt, encode_for_target, read_prompt_file
     from eagle_tree.utils.tracking import RunLogger
 
     check_output(cfg)
     prompts = [Prompt(cfg.prompt, "prompt=")] if cfg.prompt is not None else read_prompt_file(cfg.prompts)
     prompts = prompts[: cfg.limit]
     decoder, tokenizer = load_models(cfg)
-    prompt_ids = encode(prompts, decoder.target, tokenizer, cfg.max_new_tokens, cfg.truncate_prompts)
+    prompt_ids = encode_for_target(prompts, decoder.target, tokenizer, cfg.max_new_tokens, cfg.truncate_prompts)
     eos = tokenizer.eos_token_id if cfg.stop_at_eos else None
     outputs, records = [], []
     with RunLogger(cfg.wandb, run_config=config_to_dict(cfg), job_type="decode") as logger:

@@ -170,7 +170,7 @@ def reference_exactness(dtype: torch.dtype, device: torch.device, size: dict) ->
     # the verifier's probabilities are float32 whatever the target's dtype
     cache = target.new_cache(prompts[0].shape[1] + 4)
     logits = target.prefill(prompts[0].to(device), cache).logits
-    verify_logits = target.verify(int(prompts[0][0, -1]), Tree([-1, 0], [5, 6]), cache).logits
+    verify_logits = target.verify([int(prompts[0][0, -1])], [Tree([-1, 0], [5, 6])], cache).logits
     probs = processed_probs(verify_logits[0], SamplingConfig(temperature=1.0))
     float32 = logits.dtype == verify_logits.dtype == probs.dtype == torch.float32
     accepted = any(c["tokens_per_round"] > 1.0 for c in cases.values())  # multi-token acceptance happened

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle_tree.decoding.drafting import TreeConfig
-from eagle_tree.decoding.shapes import shape_name
 from eagle_tree.utils.checks import check_range
 from eagle_tree.utils.config import config_to_dict, parse_cli, save_config
 from eagle_tree.utils.tracking import WandbConfig
@@ -217,10 +216,10 @@ def compare(cfg: QuickstartConfig, head_dir: Path):
                 outs[key].append(decoders[key].generate(ids, cfg.max_new_tokens, sampling, seed=cfg.seed + i))
         plain_tpot = None
         for (method, head_name), method_outs in outs.items():
-            shape = decoders[(method, head_name)].tree if method == "default" else shapes.get(method)
+            shape = decoders[(method, head_name)].shape_for(sampling) if method == "default" else shapes.get(method)
             s = summarize(method, temperature, method_outs, depth=0 if shape is None else shape.depth).to_dict()
             s["head"] = head_name
-            s["shape"] = "no draft" if shape is None else shape_name(shape)
+            s["shape"] = "no draft" if shape is None else shape.name
             plain_tpot = s["time_per_output_token_s"] if method == "plain" else plain_tpot
             s["speedup"] = plain_tpot / s["time_per_output_token_s"]
             if temperature == 0.0:

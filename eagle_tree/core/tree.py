@@ -11,9 +11,11 @@ sibling checked before them: ``(parent, slot, token)`` is checked after the firs
 of ``parent``. A phantom is rejected with certainty but its residual update applies; it has no row.
 
 Rows: verification runs the target over ``[root, node 0, node 1, ...]``, so the root is row 0 and
-node ``i`` is row ``i + 1`` of the verifier's inputs, logits and probability tables, of the cache
-entries that verification appends, and of the draft's per-node laws. :meth:`Tree.row` and
-:meth:`Tree.cache_rows` own that offset; everything else calls them.
+node ``i`` is row ``i + 1`` of the verifier's inputs, logits and probability tables and of the draft's
+per-node laws; the cache entries that verification appends sit at the same offsets after the
+committed ones. :meth:`Tree.row` and :meth:`Tree.cache_offsets` own that offset; everything else calls
+them. ("Row" is only ever a row of these tables: a member of a batch is a request, a cache position a
+slot or an offset.)
 """
 
 from __future__ import annotations
@@ -84,9 +86,9 @@ class Tree:
         return node + 1
 
     @staticmethod
-    def cache_rows(nodes: Sequence[int]) -> list[int]:
-        """Rows of the root and of ``nodes`` (ascending node indices, e.g. the accepted path): the cache
-        entries a round keeps after verification, in order."""
+    def cache_offsets(nodes: Sequence[int]) -> list[int]:
+        """Offsets (from the root's slot) of the root and of ``nodes`` (ascending node indices, e.g. the
+        accepted path): the cache entries a round keeps after verification, in order; equal to their rows."""
         return [Tree.row(ROOT), *(Tree.row(node) for node in nodes)]
 
     def __len__(self) -> int:

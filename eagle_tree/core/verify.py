@@ -66,6 +66,11 @@ class Proposal:
     draft_probs: torch.Tensor | None
     rule: VerifyRule
 
+    @classmethod
+    def empty(cls, greedy: bool) -> Proposal:
+        """The empty tree of plain decoding: the round commits the target's own next token."""
+        return cls(Tree([], []), None, VerifyRule.for_draft(greedy))
+
 
 @dataclass
 class VerifyResult:

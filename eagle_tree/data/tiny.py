@@ -9,6 +9,9 @@ Used by the tests and by the smoke training config. The weights depend only on t
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
@@ -83,3 +86,40 @@ def char_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+
+
+TINY_PROMPTS = {
+    "tuning": ["def add(a, b):\n    return", "import os\nimport sys\n\n", "class Point:\n    def __init__(self",
+               "for i in range(10):\n    print("],
+    "test": ["def main():\n    args =", "with open(path) as f:\n    data", "if __name__ == '__main__':\n",
+             "x = [i * i for i in", "while True:\n    line = input("],
+}
+
+
+def build_tiny_assets(folder: str | Path) -> dict[str, Path]:
+    """A tiny random Llama (char tokenizer), an untrained head, the target's own weights as the
+    assistant, and tuning / test prompt files, built once in ``folder`` (new or empty; a folder that
+    holds anything else is refused, never cleared); returns their paths."""
+    from eagle_tree.models.head import Eagle3DraftModel
+    from eagle_tree.utils.atomic import atomic_dir
+    from eagle_tree.utils.outputs import check_output_dir
+
+    folder = Path(folder)
+    paths = {"target": folder / "target", "head": folder / "head", "assistant": folder / "assistant",
+             "tuning_prompts": folder / "tuning.jsonl", "test_prompts": folder / "test.jsonl"}
+    if (folder / "COMPLETE").is_file():
+        return paths
+    check_output_dir(folder, "tiny_assets build", writes=[p.name for p in paths.values()],
+                     replaces_folder=True, option=None)
+    with atomic_dir(folder) as tmp:
+        tok = char_tokenizer()
+        model = tiny_causal_lm("llama", vocab_size=len(tok), num_layers=4, attn_implementation="sdpa",
+                               eos_token_id=tok.eos_token_id, bos_token_id=None, pad_token_id=tok.unk_token_id)
+        for name in ("target", "assistant"):
+            model.save_pretrained(tmp / name)
+            tok.save_pretrained(tmp / name)
+        Eagle3DraftModel.from_target(model).save_pretrained(tmp / "head")
+        for split, prompts in TINY_PROMPTS.items():
+            (tmp / f"{split}.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+        (tmp / "COMPLETE").write_text("tiny bench assets\n")
+    return paths

@@ -26,6 +26,7 @@ follows head nodes), so turning the context on never changes the head's part of 
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -35,6 +36,9 @@ import torch
 from eagle_tree.core.sampling import SamplingConfig
 from eagle_tree.core.tree import ROOT, Tree
 from eagle_tree.core.verify import Proposal, VerifyRule
+
+_NAME = re.compile(r"^ctx(?P<lookup>\d+)(?:x(?P<branches>\d+))?(?:-g(?P<low>\d+)to(?P<high>\d+))?"
+                   r"(?P<headfirst>-headfirst)?$")
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,33 @@ class ContextConfig:
             raise ValueError(f"ContextConfig.min_ngram ({self.min_ngram}) must be <= max_ngram ({self.max_ngram})")
         if self.first not in ("context", "head"):
             raise ValueError(f"ContextConfig.first must be 'context' or 'head', got {self.first!r}")
+
+    @property
+    def name(self) -> str:
+        """The one spelling of these settings, read back by :meth:`from_name`: ``ctx8`` (8 tokens
+        copied), ``ctx8x2`` (2 branches), then ``-g2to4`` for n-gram lengths other than the default 1..4
+        and ``-headfirst`` when the head's children are checked first."""
+        default = ContextConfig()
+        name = f"ctx{self.lookup_tokens}" + (f"x{self.branches}" if self.branches > 1 else "")
+        if (self.min_ngram, self.max_ngram) != (default.min_ngram, default.max_ngram):
+            name += f"-g{self.min_ngram}to{self.max_ngram}"
+        return name + ("-headfirst" if self.first == "head" else "")
+
+    @classmethod
+    def from_name(cls, name: str) -> ContextConfig:
+        """The settings :attr:`name` spells; a ValueError names the expected form otherwise."""
+        match = _NAME.match(name)
+        config = None
+        if match:
+            default = cls()
+            config = cls(lookup_tokens=int(match["lookup"]), branches=int(match["branches"] or 1),
+                         min_ngram=int(match["low"] or default.min_ngram),
+                         max_ngram=int(match["high"] or default.max_ngram),
+                         first="head" if match["headfirst"] else "context")
+        if config is None or config.name != name:
+            raise ValueError(f"{name!r} is not a context setting: expected 'ctxN', optionally 'xBRANCHES', "
+                             "'-gLOWtoHIGH' (n-gram lengths other than 1 to 4) and '-headfirst' (e.g. ctx8x2-g2to4)")
+        return config
 
     @property
     def max_nodes(self) -> int:
@@ -188,62 +219,48 @@ def merge_context(tree: Tree, draft_probs: torch.Tensor | None, rule: VerifyRule
 
 
 class ContextDrafter:
-    """A drafter that adds context branches to ``inner``'s proposals (``inner`` None: context only).
+    """A drafter that adds context branches to ``inner``'s proposals (``inner``: a RoundDrafter, the
+    head's; None: context only), for B requests, each with its own index (implements RoundDrafter).
 
-    Same protocol as the head's drafter: ``reset()``, ``catch_up(features, next_tokens)`` (the index
-    takes the committed tokens: the prompt after its first token, then every round's), and
-    ``propose(sampling, generator)``. ``context_s`` sums the seconds spent in the index and the merge
-    (part of the decoder's draft time)."""
+    ``catch_up`` gives each request's index its committed tokens (the prompt after its first token,
+    then every round's); ``propose`` merges each request's branches into its head tree (or the empty
+    tree). ``context_s`` sums the seconds spent in the indexes and the merge (part of the draft time)."""
 
     def __init__(self, inner, config: ContextConfig):
         self.inner = inner
         self.config = config
         self.reset()
 
-    def reset(self, rows: int = 1) -> None:
+    def reset(self, requests: int = 1) -> None:
         if self.inner is not None:
-            self.inner.reset() if rows == 1 else self.inner.reset(rows)  # one-row drafters may take no rows
-        self.indexes = [ContextIndex(self.config.max_ngram, self.config.min_ngram) for _ in range(rows)]
+            self.inner.reset(requests)
+        self.indexes = [ContextIndex(self.config.max_ngram, self.config.min_ngram) for _ in range(requests)]
         self.context_s = 0.0
 
     @property
-    def index(self) -> ContextIndex:
-        """The committed text's index (one row)."""
-        if len(self.indexes) != 1:
-            raise RuntimeError(f"index is for a drafter of one row; this one has {len(self.indexes)}: use indexes")
-        return self.indexes[0]
-
-    @index.setter
-    def index(self, value) -> None:
-        self.indexes = [value]
-
-    @property
-    def rows(self) -> int:
+    def requests(self) -> int:
         return len(self.indexes)
 
+    def cache_bytes(self) -> int:
+        return 0 if self.inner is None else self.inner.cache_bytes()
+
     def catch_up(self, features: torch.Tensor, next_tokens: torch.Tensor, counts: list[int] | None = None) -> None:
-        """As the head drafter's (``counts[b]``: row b's pairs, the rest padding); each row's index takes
-        its row's tokens."""
+        """As the head drafter's (``counts[b]``: request b's pairs, the rest padding); each request's index
+        takes its own tokens."""
         if self.inner is not None:
-            args = () if counts is None else (counts,)  # one-row drafters may take no counts
-            self.inner.catch_up(features, next_tokens, *args)
+            self.inner.catch_up(features, next_tokens, counts)
         t0 = time.perf_counter()
         for b, tokens in enumerate(next_tokens.tolist()):
             self.indexes[b].extend(tokens if counts is None else tokens[: counts[b]])
         self.context_s += time.perf_counter() - t0
 
-    def propose(self, sampling: SamplingConfig, generator: torch.Generator | None = None):
-        return self.propose_rows(sampling, [generator])[0]
-
-    def propose_rows(self, sampling: SamplingConfig, generators: list[torch.Generator | None]) -> list[Proposal]:
-        """One proposal per row: the head's tree of the row (or the empty tree) with the row's own
-        context branches merged in."""
-        if self.inner is not None and not hasattr(self.inner, "propose_rows"):  # a one-row drafter
-            heads = [self.inner.propose(sampling, *generators)]
-        elif self.inner is not None:
-            heads = self.inner.propose_rows(sampling, generators)
+    def propose(self, sampling: SamplingConfig, generators: list[torch.Generator | None]) -> list[Proposal]:
+        """One proposal per request: the head's tree of the request (or the empty tree) with the request's
+        own context branches merged in."""
+        if self.inner is not None:
+            heads = self.inner.propose(sampling, generators)
         else:
-            heads = [Proposal(Tree([], []), None, VerifyRule.for_draft(sampling.greedy)) for _ in self.indexes]
+            heads = [Proposal.empty(sampling.greedy) for _ in self.indexes]
         t0 = time.perf_counter()
         cfg = self.config
         proposals = []
@@ -254,12 +271,12 @@ class ContextDrafter:
         self.context_s += time.perf_counter() - t0
         return proposals
 
-    def select_rows(self, rows: list[int]) -> None:
+    def select(self, requests: list[int]) -> None:
         if self.inner is not None:
-            self.inner.select_rows(rows)
-        self.indexes = [self.indexes[r] for r in rows]
+            self.inner.select(requests)
+        self.indexes = [self.indexes[r] for r in requests]
 
-    def add_rows(self, other: ContextDrafter) -> None:
+    def extend(self, other: ContextDrafter) -> None:
         if self.inner is not None:
-            self.inner.add_rows(other.inner)
+            self.inner.extend(other.inner)
         self.indexes = self.indexes + other.indexes

@@ -23,6 +23,7 @@ tree goes to the host in one transfer per round.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -32,8 +33,11 @@ from eagle_tree.core.sampling import SamplingConfig, processed_probs
 from eagle_tree.core.tree import Tree
 from eagle_tree.core.verify import Proposal, VerifyRule
 from eagle_tree.decoding.context import ContextConfig
-from eagle_tree.models.cache import write_rows
+from eagle_tree.models.cache import DraftCache
 from eagle_tree.models.head import Eagle3DraftModel
+
+_NAME = re.compile(r"^(?:chain-(?P<chain>\d+)|tree-d(?P<depth>\d+)k(?P<top_k>\d+)n(?P<total>\d+))"
+                   r"(?P<sampled>-sampled)?$")
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,39 @@ class TreeConfig:
         return cls(depth=length, top_k=1, total_tokens=length, sampled=sampled)
 
     @property
+    def name(self) -> str:
+        """The one spelling of this shape, read back by :meth:`from_name`: ``chain-4`` or
+        ``tree-d6k8n48``, ``-sampled`` appended for Gumbel-top-k draws, ``+`` and the context's name
+        (``+ctx8``, ``+ctx8x2-g2to4``, ...) for context branches."""
+        name = f"chain-{self.depth}" if self.is_chain else f"tree-d{self.depth}k{self.top_k}n{self.total_tokens}"
+        name += "-sampled" if self.sampled else ""
+        return name + (f"+{self.context.name}" if self.context is not None else "")
+
+    @classmethod
+    def from_name(cls, name: str) -> TreeConfig:
+        """The shape :attr:`name` spells (one name per shape: a chain spelled as a tree is refused); a
+        ValueError names the expected forms otherwise."""
+        shape, _, context = name.partition("+")
+        match = _NAME.match(shape)
+        tree = None
+        if match:
+            try:
+                ctx = ContextConfig.from_name(context) if context else None
+                if match["chain"]:
+                    n = int(match["chain"])
+                    tree = cls(depth=n, top_k=1, total_tokens=n, sampled=bool(match["sampled"]), context=ctx)
+                else:
+                    tree = cls(depth=int(match["depth"]), top_k=int(match["top_k"]), total_tokens=int(match["total"]),
+                               sampled=bool(match["sampled"]), context=ctx)
+            except ValueError as exc:
+                raise ValueError(f"shape {name!r}: {exc}") from exc
+        if tree is None or tree.name != name:
+            raise ValueError(f"{name!r} is not a draft shape: expected 'chain-N' or 'tree-dDEPTHkTOPKnTOTAL' (e.g. "
+                             "chain-4, tree-d4k4n16), optionally with '-sampled' and '+' and a context setting "
+                             "('ctxN', 'ctxNxBRANCHES', '-gLOWtoHIGH', '-headfirst')")
+        return tree
+
+    @property
     def is_chain(self) -> bool:
         return self.top_k == 1
 
@@ -76,92 +113,74 @@ class TreeConfig:
         return VerifyRule.for_draft(sampling.greedy, self.sampled)
 
 
-class DraftCache:
-    """Keys and values (B, n_kv, S, hd) of the draft's single layer for B rows (requests; 1 outside
-    batched decoding) in a growing buffer; row b's entries fill slots ``0 .. lengths[b] - 1``.
+@runtime_checkable
+class RoundDrafter(Protocol):
+    """The drafter the round loop calls, for B requests (1 in ``generate``).
 
-    ``append`` writes T entries per row after each row's own entries (``write_rows``), ``crop`` forgets
-    tails: tree nodes are appended while drafting and cropped afterwards, so the cache keeps only entries
-    of committed pairs between rounds. ``attend`` is what the head's ``step`` calls: append the new
-    entries, attend over the buffer up to the longest row (the caller's mask hides other slots).
-    """
+    ``reset(requests)`` starts B new sequences; ``catch_up(features, next_tokens, counts)`` consumes
+    committed pairs: target features (B, m, 3H) of m committed positions and the tokens that follow
+    them (B, m), of which ``counts[b]`` are request b's (the rest is padding); ``propose(sampling,
+    generators)`` returns one Proposal per request below its last committed token, request b drawing
+    any randomness from ``generators[b]`` only; ``select(requests)`` keeps these requests in this order
+    and ``extend(other)`` appends another drafter's (requests leaving and joining a batch);
+    ``cache_bytes()`` is the size of its key/value buffers. ``Drafter`` (the head), ``ContextDrafter``
+    (context branches) and ``OneSequence`` (a ``SequenceDrafter`` as one request) implement it."""
 
-    def __init__(self, rows: int = 1) -> None:
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-        self.lengths = [0] * rows
+    def reset(self, requests: int = 1) -> None: ...
 
-    @property
-    def length(self) -> int:
-        """The longest row's length (the only row's, outside batched decoding)."""
-        return max(self.lengths, default=0)
+    def catch_up(self, features: torch.Tensor, next_tokens: torch.Tensor, counts: list[int] | None = None) -> None: ...
 
-    @property
-    def rows(self) -> int:
-        return len(self.lengths)
+    def propose(self, sampling: SamplingConfig, generators: list[torch.Generator | None]) -> list[Proposal]: ...
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        n, end = k.shape[2], self.length + k.shape[2]
-        if self.k is None or end > self.k.shape[2]:
-            capacity = max(256, 2 * end)
-            new_k = k.new_zeros(k.shape[0], k.shape[1], capacity, k.shape[3])  # zeroed: stale slots of short
-            new_v = v.new_zeros(new_k.shape)  # rows are hidden, and 0 * NaN would still be NaN
-            if self.k is not None:
-                new_k[:, :, : self.length] = self.k[:, :, : self.length]
-                new_v[:, :, : self.length] = self.v[:, :, : self.length]
-            self.k, self.v = new_k, new_v
-        write_rows(self.k, self.lengths, k)
-        write_rows(self.v, self.lengths, v)
-        self.lengths = [length + n for length in self.lengths]
+    def select(self, requests: list[int]) -> None: ...
 
-    def crop(self, lengths: int | list[int]) -> None:
-        """Keep at most ``lengths[b]`` entries of row b (an int: of every row)."""
-        if isinstance(lengths, int):
-            lengths = [lengths] * self.rows
-        self.lengths = [min(a, int(b)) for a, b in zip(self.lengths, lengths, strict=True)]
+    def extend(self, other) -> None: ...
 
-    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[:, :, : self.length], self.v[:, :, : self.length]
-
-    def attend(self, attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Append k/v (B, n_kv, T, hd), then ``attn.attend`` over the cache; mask (B, 1, T, S_after) bool."""
-        self.append(k, v)
-        return attn.attend(q, *self.view(), mask)
-
-    def select_rows(self, rows: list[int]) -> None:
-        """Keep only these rows, in this order (a copy of the buffers)."""
-        self.lengths = [self.lengths[r] for r in rows]
-        if self.k is not None:
-            index = torch.tensor(rows, dtype=torch.long, device=self.k.device)
-            self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
-
-    def add_rows(self, other: DraftCache) -> None:
-        """Append the rows of ``other`` after these (a copy of the buffers)."""
-        if self.k is None or not self.rows:
-            self.k, self.v, self.lengths = other.k, other.v, list(other.lengths)
-            return
-        if other.k is not None:
-            capacity = max(self.k.shape[2], other.k.shape[2])
-            parts = [(t if t.shape[2] == capacity else torch.nn.functional.pad(t, (0, 0, 0, capacity - t.shape[2])))
-                     for t in (self.k, other.k, self.v, other.v)]
-            self.k, self.v = torch.cat(parts[:2]), torch.cat(parts[2:])
-        self.lengths = self.lengths + list(other.lengths)
+    def cache_bytes(self) -> int: ...
 
 
 @runtime_checkable
-class DrafterProtocol(Protocol):
-    """What SpeculativeDecoder needs from a drafter.
-
-    ``reset()`` starts a new sequence; ``catch_up(features, next_tokens)`` consumes committed pairs:
-    target features (1, m, 3H) of m committed positions and the tokens that follow them (1, m);
-    ``propose(sampling, generator)`` returns a Proposal below the last committed token, drawing any
-    randomness from ``generator`` only."""
+class SequenceDrafter(Protocol):
+    """A drafter of one sequence, for ``SpeculativeDecoder(drafter=...)`` (tests script acceptance
+    patterns with it): ``reset()``, ``catch_up(features (1, m, 3H), next_tokens (1, m))`` and
+    ``propose(sampling, generator) -> Proposal``. ``OneSequence`` runs it in the round loop."""
 
     def reset(self) -> None: ...
 
     def catch_up(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None: ...
 
     def propose(self, sampling: SamplingConfig, generator: torch.Generator | None = None) -> Proposal: ...
+
+
+class OneSequence:
+    """A ``SequenceDrafter`` as a ``RoundDrafter`` of one request (``generate`` only: it never joins a
+    batch)."""
+
+    def __init__(self, inner: SequenceDrafter):
+        self.inner = inner
+
+    def reset(self, requests: int = 1) -> None:
+        if requests != 1:
+            raise ValueError(f"a drafter of one sequence drafts for one request, not {requests}")
+        self.inner.reset()
+
+    def catch_up(self, features: torch.Tensor, next_tokens: torch.Tensor, counts: list[int] | None = None) -> None:
+        m = features.shape[1] if counts is None else counts[0]
+        self.inner.catch_up(features[:, :m], next_tokens[:, :m])
+
+    def propose(self, sampling: SamplingConfig, generators: list[torch.Generator | None]) -> list[Proposal]:
+        (generator,) = generators
+        return [self.inner.propose(sampling, generator)]
+
+    def select(self, requests: list[int]) -> None:
+        if requests != [0]:
+            raise ValueError("a drafter of one sequence keeps its one request")
+
+    def extend(self, other) -> None:
+        raise ValueError("a drafter of one sequence drafts for one request: it cannot join a batch")
+
+    def cache_bytes(self) -> int:
+        return 0
 
 
 @dataclass(frozen=True)
@@ -192,7 +211,7 @@ class _Plan:
 
 
 class _Buffers:
-    """Per-drafter tensors of one round's growth for B rows, indexed by (row of the batch, row of the tree:
+    """Per-drafter tensors of one round's growth for B requests, indexed by (request, row of the tree:
     ``Tree.row``, the root is 0 and the node created i-th is i + 1); every entry a round reads is
     written in that round first."""
 
@@ -214,9 +233,9 @@ class _Buffers:
 
 
 class Drafter:
-    """Runs an Eagle3DraftModel over committed pairs and grows draft trees from the last one
-    (implements DrafterProtocol), for one sequence or, in batched decoding, for B rows at once: every
-    head forward feeds all rows, each row with its own committed length, positions and tree."""
+    """Runs an Eagle3DraftModel over committed pairs and grows draft trees from the last one, for B
+    requests at once (implements RoundDrafter; ``generate`` is B = 1): every head forward feeds all
+    requests, each with its own committed length, positions and tree."""
 
     def __init__(self, draft: Eagle3DraftModel, tree: TreeConfig):
         self.draft = draft
@@ -225,112 +244,86 @@ class Drafter:
         self._plans: dict[bool, _Plan] = {}
         self.reset()
 
-    def reset(self, rows: int = 1) -> None:
-        self.cache = DraftCache(rows)
-        self.last_hidden: torch.Tensor | None = None  # (B, 1, H): output at each row's last committed pair
-        self.row_logits: torch.Tensor | None = None  # (B, Vd)
+    def reset(self, requests: int = 1) -> None:
+        self.cache = DraftCache(requests)
+        self.last_hidden: torch.Tensor | None = None  # (B, 1, H): output at each request's last committed pair
+        self.logits: torch.Tensor | None = None  # (B, Vd): the draft logits after it
 
     @property
-    def rows(self) -> int:
-        return self.cache.rows
+    def requests(self) -> int:
+        return self.cache.requests
 
-    @property
-    def last_logits(self) -> torch.Tensor | None:
-        """(Vd,): the draft logits after the last committed pair (one row only)."""
-        if self.row_logits is None:
-            return None
-        if self.rows != 1:
-            raise RuntimeError(f"last_logits is for a drafter of one row; this one has {self.rows}: use row_logits")
-        return self.row_logits[0]
+    def cache_bytes(self) -> int:
+        return self.cache.nbytes
 
     def _forward(self, hidden, input_ids, position_ids, visible):
         """One head step over the draft cache. visible (B, 1, T, S_after) bool. Returns (out, logits)."""
-        out, logits, _ = self.draft.step(hidden, input_ids, position_ids, self.cache, visible)
-        return out, logits
+        return self.draft.step(hidden, input_ids, position_ids, self.cache, visible)
 
     @torch.no_grad()
     def catch_up(self, features: torch.Tensor, next_tokens: torch.Tensor, counts: list[int] | None = None) -> None:
         """Consume committed pairs: features (B, m, 3H) of tokens at positions c_b .. c_b + m - 1 and the
         tokens that follow them (B, m), in target ids; ``counts[b]`` (default m): how many of the m pairs
-        are row b's (the rest is padding, written past the row's length and never seen)."""
+        are request b's (the rest is padding, written past the request's length and never seen)."""
         m, starts = features.shape[1], list(self.cache.lengths)
         counts = [m] * len(starts) if counts is None else [int(c) for c in counts]
-        if features.shape[0] != self.rows or len(counts) != self.rows or min(counts) < 0 or not 1 <= max(counts) <= m:
-            raise ValueError(f"catch_up takes features of {self.rows} rows and 0 <= counts <= {m} (one row: {m}), "
-                             f"got {features.shape[0]} rows and counts {counts}")
+        b = self.requests
+        if features.shape[0] != b or len(counts) != b or min(counts) < 0 or not 1 <= max(counts) <= m:
+            raise ValueError(f"catch_up takes features of {b} request(s) and 0 <= counts <= {m}, "
+                             f"got {features.shape[0]} and counts {counts}")
         if min(counts) == 0 and self.last_hidden is None:
-            raise ValueError("a row can skip a catch-up (count 0) only after its first one")
+            raise ValueError("a request can skip a catch-up (count 0) only after its first one")
         device = features.device
         hidden = self.draft.fuse(features.to(self.draft.fc.weight.dtype))
         start = torch.tensor(starts, device=device)[:, None]
         positions = start + torch.arange(m, device=device)  # (B, m)
         slots = torch.arange(max(starts) + m, device=device)
-        visible = slots[None, None, :] <= positions[:, :, None]  # row b's own slots up to its query
+        visible = slots[None, None, :] <= positions[:, :, None]  # request b's own slots up to its query
         out, logits = self._forward(hidden, next_tokens, positions, visible[:, None])
         self.cache.crop([a + c for a, c in zip(starts, counts, strict=True)])
         count = torch.tensor(counts, device=device)
-        rows, last = torch.arange(self.rows, device=device), (count - 1).clamp_min(0)
-        hidden, row_logits = out[rows, last][:, None], logits[rows, last].float()
-        if min(counts) == 0:  # rows without new pairs keep their state
+        index, last = torch.arange(b, device=device), (count - 1).clamp_min(0)
+        hidden, last_logits = out[index, last][:, None], logits[index, last].float()
+        if min(counts) == 0:  # requests without new pairs keep their state
             moved = count > 0
             hidden = torch.where(moved[:, None, None], hidden, self.last_hidden)
-            row_logits = torch.where(moved[:, None], row_logits, self.row_logits)
-        self.last_hidden, self.row_logits = hidden, row_logits
+            last_logits = torch.where(moved[:, None], last_logits, self.logits)
+        self.last_hidden, self.logits = hidden, last_logits
 
-    @torch.no_grad()
-    def follow(self, tokens: list[int]) -> list[torch.Tensor]:
-        """Draft logits (Vd,) at depths 1..len(tokens)+1 along a given chain of target ids below the
-        root (one row); the cache is left as it was. Training's step s equals depth s + 1 here."""
-        committed, hidden = self.cache.length, self.last_hidden
-        logits = [self.last_logits]
-        try:
-            for depth, token in enumerate(tokens, start=1):
-                ids = torch.tensor([[token]], device=hidden.device)
-                pos = torch.tensor([[committed - 1 + depth]], device=hidden.device)
-                visible = torch.ones(1, 1, 1, self.cache.length + 1, dtype=torch.bool, device=hidden.device)
-                hidden, step_logits = self._forward(hidden, ids, pos, visible)
-                logits.append(step_logits[0, -1].float())
-        finally:
-            self.cache.crop(committed)
-        return logits
+    def select(self, requests: list[int]) -> None:
+        """Keep only these requests, in this order (requests leaving a batch)."""
+        self.cache.select(requests)
+        index = torch.tensor(requests, dtype=torch.long, device=self.last_hidden.device)
+        self.last_hidden, self.logits = self.last_hidden[index], self.logits[index]
 
-    def select_rows(self, rows: list[int]) -> None:
-        """Keep only these rows, in this order (requests leaving a batch)."""
-        self.cache.select_rows(rows)
-        index = torch.tensor(rows, dtype=torch.long, device=self.last_hidden.device)
-        self.last_hidden, self.row_logits = self.last_hidden[index], self.row_logits[index]
-
-    def add_rows(self, other: Drafter) -> None:
-        """Append the rows of ``other`` (caught up on their prompts) after these (requests joining)."""
-        if not self.rows or self.last_hidden is None:
-            self.cache, self.last_hidden, self.row_logits = other.cache, other.last_hidden, other.row_logits
+    def extend(self, other: Drafter) -> None:
+        """Append the requests of ``other`` (caught up on their prompts) after these (requests joining)."""
+        if not self.requests or self.last_hidden is None:
+            self.cache, self.last_hidden, self.logits = other.cache, other.last_hidden, other.logits
             return
-        self.cache.add_rows(other.cache)
+        self.cache.extend(other.cache)
         self.last_hidden = torch.cat([self.last_hidden, other.last_hidden])
-        self.row_logits = torch.cat([self.row_logits, other.row_logits])
+        self.logits = torch.cat([self.logits, other.logits])
 
     def _buffers_for(self, plan: _Plan) -> _Buffers:
         b, hidden = self._buffers, self.last_hidden
-        if b is None or b.score.shape[1] <= plan.nodes or b.batch != self.rows or b.out.device != hidden.device:
+        n = self.requests
+        if b is None or b.score.shape[1] <= plan.nodes or b.batch != n or b.out.device != hidden.device:
             vocab = self.draft.config.draft_vocab_size
-            b = self._buffers = _Buffers(self.rows, plan.nodes, hidden.shape[-1], vocab, hidden.dtype, hidden.device)
+            b = self._buffers = _Buffers(n, plan.nodes, hidden.shape[-1], vocab, hidden.dtype, hidden.device)
         return b
 
     @torch.no_grad()
-    def propose(self, sampling: SamplingConfig, generator: torch.Generator | None = None) -> Proposal:
-        """Grow a tree below the root (the last committed token) and return it in target ids (one row)."""
-        if self.rows != 1:
-            raise RuntimeError(f"propose is for a drafter of one row; this one has {self.rows}: use propose_rows")
-        return self.propose_rows(sampling, [generator])[0]
-
-    @torch.no_grad()
-    def propose_rows(self, sampling: SamplingConfig, generators: list[torch.Generator | None]) -> list[Proposal]:
-        """Grow one tree per row, every level of all rows in one head forward; row b draws any
-        randomness from ``generators[b]`` only, exactly the draws a one-row drafter would make."""
+    def propose(self, sampling: SamplingConfig,
+                generators: list[torch.Generator | None] | None = None) -> list[Proposal]:
+        """Grow one tree per request, every level of all requests in one head forward; request b draws
+        any randomness from ``generators[b]`` only (None: the global generator), exactly the draws a
+        drafter of that request alone would make."""
         if self.last_hidden is None:
             raise RuntimeError("catch_up must run before propose")
-        if len(generators) != self.rows:
-            raise ValueError(f"propose_rows needs one generator per row ({self.rows}), got {len(generators)}")
+        generators = [None] * self.requests if generators is None else generators
+        if len(generators) != self.requests:
+            raise ValueError(f"propose needs one generator per request ({self.requests}), got {len(generators)}")
         cfg = self.config
         sampled = cfg.sampled and not sampling.greedy
         plan = self._plans.get(sampled)
@@ -347,7 +340,7 @@ class Drafter:
 
     def _proposals(self, b: _Buffers, plan: _Plan, keep: torch.Tensor | None, whole: bool, sampled: bool,
                    sampling: SamplingConfig) -> list[Proposal]:
-        """Every row's kept nodes as a Tree: ``keep`` (B, n) ascending tree rows, or None for sampled trees
+        """Every request's kept nodes as a Tree: ``keep`` (B, n) ascending tree rows, or None for sampled trees
         (each keeps its live draws; a dead draw has only dead descendants); ``whole``: every node grown.
         One host transfer for the whole batch."""
         nodes = plan.nodes
@@ -357,7 +350,7 @@ class Drafter:
         host = torch.cat(parts, dim=1).tolist()
         rule = self.config.rule(sampling)
         proposals = []
-        for row, values in enumerate(host):
+        for request, values in enumerate(host):
             parent, token, live = values[:nodes], values[nodes : 2 * nodes], values[2 * nodes : 3 * nodes]
             if keep is None:
                 kept = [i + 1 for i in range(nodes) if live[i]]
@@ -368,7 +361,7 @@ class Drafter:
             draft_probs = None
             if sampled:
                 rows = torch.tensor([0, *kept], device=b.q.device)  # the root's row and the kept rows
-                q = torch.where(b.expanded[row, rows, None], b.q[row, rows], 0.0)  # leaves carry no law
+                q = torch.where(b.expanded[request, rows, None], b.q[request, rows], 0.0)  # leaves carry no law
                 draft_probs = q.new_zeros(len(kept) + 1, self.draft.config.vocab_size)
                 draft_probs[:, self.draft.draft_to_target] = q
             proposals.append(Proposal(tree, draft_probs, rule))
@@ -376,7 +369,7 @@ class Drafter:
 
 
 class _Growth:
-    """One tree expansion per row over the drafter's buffers, level by level, without host round trips."""
+    """One tree expansion per request over the drafter's buffers, level by level, without host round trips."""
 
     def __init__(self, drafter: Drafter, buffers: _Buffers, plan: _Plan, sampling: SamplingConfig | None,
                  generators: list):
@@ -389,7 +382,7 @@ class _Growth:
         """Create the children of the nodes at ``rows`` (B, F) from their draft logits (B, F, Vd), as rows
         lo + 1 .. hi, node by node, each node's children in proposal order. Deterministic: every node's
         top-k. Sampled: Gumbel-top-k, up to k children drawn without replacement from each node's
-        processed q, one draw per batch row for the whole level from that row's generator. ``last``: the
+        processed q, one draw per request for the whole level from that request's generator. ``last``: the
         children's ancestors are not needed (no level is fed from them, or the tree is a chain)."""
         b, k = self.b, self.plan.k
         batch, width = rows.shape
@@ -430,11 +423,11 @@ class _Growth:
         batch = b.batch
         device = d.last_hidden.device
         root = b.rows[:1].expand(batch, 1)
-        self.expand(root, d.row_logits[:, None], *plan.levels[0][:2], last=chain or levels == 1)
+        self.expand(root, d.logits[:, None], *plan.levels[0][:2], last=chain or levels == 1)
         committed = d.cache.lengths
-        level_rows = len(set(committed)) == 1
+        level_requests = len(set(committed)) == 1
         start = torch.tensor(committed, device=device)[:, None]  # (B, 1)
-        base_pos = start - 1  # position of each row's last committed pair
+        base_pos = start - 1  # position of each request's last committed pair
         fed = b.rows[:0].expand(batch, 0)
         for depth in range(1, levels):
             prev_lo, prev_hi, _ = plan.levels[depth - 1]
@@ -448,15 +441,15 @@ class _Growth:
                     key = key.masked_fill(~b.live[:, level], float("-inf"))
                 order = torch.sort(key, descending=True, stable=True).indices[:, :width]
                 frontier = order.sort(dim=1).values + level.start
-            fed = torch.cat([fed, frontier], dim=1)  # the tree's cache entries after each row's committed pairs
+            fed = torch.cat([fed, frontier], dim=1)  # the tree's cache entries after each request's committed pairs
             n_fed = fed.shape[1]
             total = max(committed) + n_fed
-            if level_rows:
+            if level_requests:
                 visible = torch.ones(batch, width, total, dtype=torch.bool, device=device)
                 if not chain:
                     anc = b.ancestors.gather(1, frontier[:, :, None].expand(-1, -1, b.rows.shape[0]))
                     visible[:, :, committed[0]:] = anc.gather(2, fed[:, None, :].expand(-1, width, -1))
-            else:  # rows of different lengths: row b's fed nodes sit at slots committed[b] + j
+            else:  # requests of different lengths: request b's fed nodes sit at slots committed[b] + j
                 slots = torch.arange(total, device=device)
                 visible = (slots[None, None, :] < start[:, :, None]).expand(batch, width, total).clone()
                 if chain:

@@ -7,10 +7,9 @@ per-round ratios. The survival curve is Pr(A >= i), A = draft tokens accepted in
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-
-import torch
 
 
 def survival_curve(accepted_per_round: Sequence[int], depth: int) -> list[float]:
@@ -31,10 +30,23 @@ def per_position_acceptance(survival: Sequence[float]) -> list[float | None]:
     return out
 
 
-def _quantile(values: Sequence[float], q: float) -> float:
+def quantile(values: Sequence[float], q: float) -> float | None:
+    """The q-quantile (0 <= q <= 1) by linear interpolation between order statistics (numpy's default
+    and torch.quantile's); None for no values. The one quantile of the decoding and serving figures."""
+    if not 0 <= q <= 1:
+        raise ValueError(f"q must be in [0, 1], got {q}")
     if not values:
-        return float("nan")
-    return float(torch.quantile(torch.tensor(values, dtype=torch.float64), q))
+        return None
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    low = math.floor(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    value = quantile(values, q)
+    return float("nan") if value is None else value
 
 
 @dataclass

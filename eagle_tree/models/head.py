@@ -30,6 +30,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+from eagle_tree.models.cache import AttentionCache
 from eagle_tree.models.head_config import (
     CONFIG_NAME,
     WEIGHTS_NAME,
@@ -37,12 +38,13 @@ from eagle_tree.models.head_config import (
     HeadFormatError,
     check_head_matches_target,
     check_vocab_maps,
+    default_feature_layers,
     text_config,
     vocab_maps,
 )
 from eagle_tree.models.head_init import INIT_PARTS, init_from_target
 from eagle_tree.models.layouts import read_head
-from eagle_tree.models.target import TargetModel, default_feature_layers
+from eagle_tree.models.target import TargetModel
 from eagle_tree.utils.atomic import atomic_dir
 
 
@@ -251,29 +253,22 @@ class Eagle3DraftModel(nn.Module):
         hidden: torch.Tensor,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        cache,
+        cache: AttentionCache,
         mask: torch.Tensor,
-    ):
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The head's one forward over T new inputs: embed + norms, attention over ``cache``, MLP, norm,
-        logits. Drafting (catch-up, tree levels, ``follow``) and the training-time test both call it.
+        logits. Drafting (catch-up, tree levels) and the training-time test both call it.
 
         hidden (B, T, H): fused target features (:meth:`fuse`) or the head's own previous outputs;
-        input_ids (B, T): target ids of the next tokens; position_ids (B, T). cache: an object whose
-        ``attend(attn, q, k, v, mask)`` stores the new keys and values and returns ``attn``'s output
-        over what is visible (the draft cache of decoding, the diagonal store of training), or a tuple
-        (k, v) (B, nkv, S, hd) of earlier entries, or None; mask: the visibility that this cache
-        expects, for a tuple or None a bool (B or 1, 1, T, S + T) over [earlier, new].
-        Returns (out_hidden (B, T, H), logits (B, T, draft_vocab), (k_new, v_new)).
+        input_ids (B, T): target ids of the next tokens; position_ids (B, T). cache: an
+        :class:`~eagle_tree.models.cache.AttentionCache`, which stores the new keys and values and
+        returns the attention's output over what ``mask`` (the visibility it expects) shows: the
+        ``DraftCache`` of decoding, the diagonal store of training.
+        Returns (out_hidden (B, T, H), logits (B, T, draft_vocab)).
         """
         q, k, v = self.project(hidden, input_ids, position_ids)
-        attn = self.midlayer.self_attn
-        if cache is None or isinstance(cache, tuple):
-            k_all, v_all = (k, v) if cache is None else (torch.cat([cache[0], k], 2), torch.cat([cache[1], v], 2))
-            attn_out = attn.attend(q, k_all, v_all, mask)
-        else:
-            attn_out = cache.attend(attn, q, k, v, mask)
-        out = self.midlayer.finish(hidden, attn_out)
-        return out, self.logits(out), (k, v)
+        out = self.midlayer.finish(hidden, cache.attend(self.midlayer.self_attn, q, k, v, mask))
+        return out, self.logits(out)
 
     def logits(self, out_hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(out_hidden))

@@ -30,6 +30,18 @@ class HeadFormatError(InputError):
     the message names the file and what to change."""
 
 
+def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's choice, the hidden states entering layers 2, L // 2 and L - 3, whenever those are
+    three distinct layers (L >= 7); smaller targets get the nearest three distinct ascending layers in
+    [1, L - 1] ((1, 2, 3) for L = 4, (2, 3, 4) for L = 5 and 6). Fewer than 4 layers are refused."""
+    if num_layers < 4:
+        raise ValueError(f"the default feature layers need a target with at least 4 layers (three distinct "
+                         f"layers in [1, L - 1]); this one has {num_layers} decoder layers: pass feature_layers")
+    low = min(2, num_layers - 3)
+    high = max(num_layers - 3, low + 2)
+    return (low, min(max(num_layers // 2, low + 1), high - 1), high)
+
+
 def check_feature_layers(layers, num_layers: int | None = None) -> tuple[int, int, int]:
     """The three feature layers as a tuple, refused unless an engine can capture them as the head reads
     them: strictly ascending, each >= 1 and < ``num_layers`` (the target's layer count; -1 or None =
@@ -207,6 +219,7 @@ __all__ = [
     "DEFAULT_ROPE_THETA",
     "Eagle3Config",
     "check_feature_layers",
+    "default_feature_layers",
     "check_head_matches_target",
     "check_vocab_maps",
     "text_config",

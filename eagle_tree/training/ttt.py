@@ -92,7 +92,7 @@ def ttt_forward(
         src = (ar + 1 + s).clamp(max=t - 1)
         tokens = input_ids.gather(1, src[None].expand(b, t))
         positions = (ar + s)[None].expand(b, t)
-        hidden, logits, _ = draft.step(hidden, tokens, positions, store, valid_keys)  # logits (B, T, Vd)
+        hidden, logits = draft.step(hidden, tokens, positions, store, valid_keys)  # logits (B, T, Vd)
         out.logits.append(logits)
 
         tgt = (ar + 2 + s).clamp(max=t - 1)

@@ -164,3 +164,10 @@ def max_positions(config) -> int | None:
     text_config = get(decoder=True) if callable(get) else config
     value = getattr(text_config, "max_position_embeddings", None)
     return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def encode_for_target(prompts, target, tokenizer, max_new_tokens: int, truncate: str):
+    """Token ids of ``prompts`` for ``target`` (a TargetModel): checked against its vocabulary and
+    positions (:func:`encode_prompts`)."""
+    return encode_prompts(tokenizer, prompts, vocab_size=target.vocab_size, max_positions=max_positions(target.config),
+                          max_new_tokens=max_new_tokens, truncate=truncate)
