@@ -127,7 +127,7 @@ def render(tokenizer, messages: list[dict]) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def _turn1_key(target, questions: list[Question], max_new_tokens: int, eos_token_id: int | None) -> str:
+def _turn1_key(target, max_new_tokens: int, eos_token_id: int | None) -> str:
     config = json.dumps(target.config.to_dict(), sort_keys=True, default=str)
     h = hashlib.sha256(config.encode())
     h.update(json.dumps([max_new_tokens, eos_token_id, str(target.dtype)]).encode())
@@ -146,7 +146,7 @@ def turn1_answers(target, tokenizer, questions: list[Question], out_dir: Path, m
     from eagle_tree.decoding.decoder import SpeculativeDecoder
     from eagle_tree.utils.atomic import write_text
 
-    key = _turn1_key(target, questions, max_new_tokens, eos_token_id)
+    key = _turn1_key(target, max_new_tokens, eos_token_id)
     path = out_dir / TURN1_FILE
     answers: dict[int, str] = {}
     if path.is_file():

@@ -196,15 +196,10 @@ def build_batch(model, tokenizer, cfg: ChatDataConfig, b: int, seen: set[str]) -
             follow = sample(model, tokenizer, [turn_prefix(tokenizer, c) for c in convs], cfg.max_prompt_tokens,
                             cfg.prompt_temperature, cfg.prompt_top_p, stage_seed(cfg.seed, b, 2 * turn))
             tokens["prompt"] += sum(len(i) for i, _ in follow)
-            kept = []
-            for c, (ids, ended) in zip(convs, follow, strict=True):
+            for c, (ids, ended) in zip(convs, follow, strict=True):  # an unusable follow-up: one turn only
                 text = tokenizer.decode(ids, skip_special_tokens=True).strip()
                 if usable_prompt(text, ended, cfg):
                     c.append({"role": "user", "content": text})
-                    kept.append(c)
-                else:
-                    kept.append(c)  # the conversation keeps its first turn only
-            convs = kept
         open_convs = [c for c in convs if c[-1]["role"] == "user"]
         if not open_convs:
             break
