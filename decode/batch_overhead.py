@@ -13,12 +13,12 @@ and the throughput of ``generate_batch`` over the same prompts at batch 4.
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import dataclass, field
 
 import torch
 
 from eagle_tree.bench.serving import parse_shape
+from eagle_tree.bench.timing import interleave
 from eagle_tree.decoding.decoder import SpeculativeDecoder
 from eagle_tree.decoding.drafting import TreeConfig
 from eagle_tree.models.head import Eagle3DraftModel
@@ -66,28 +66,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(prompts)} prompts x {cfg.new_tokens} tokens x {cfg.repeats} repeats, {cfg.threads} thread(s)")
     print("| shape | generate ms/token | generate_batch([p]) ms/token | ratio | batch 4 tok/s |")
     print("|---|---|---|---|---|")
+    n = len(prompts)
     for name in cfg.shapes:
         tree = parse_shape(name)
         dec = SpeculativeDecoder(target, None if tree is None else head, tree=tree or TreeConfig())
         dec.generate(prompts[0], 8), dec.generate_batch([prompts[0]], 8)  # warm-up
-        one = batch = 0.0
-        tokens = 0
-        for _ in range(cfg.repeats):
-            for p in prompts:
-                t0 = time.perf_counter()
-                a = dec.generate(p, cfg.new_tokens)
-                one += time.perf_counter() - t0
-                t0 = time.perf_counter()
-                b = dec.generate_batch([p], cfg.new_tokens)
-                batch += time.perf_counter() - t0
-                if a.sequences[0].tolist() != b.sequences[0].tolist():
-                    raise SystemExit(f"{name}: generate and generate_batch gave different tokens")
-                tokens += a.new_tokens
-        t0 = time.perf_counter()
-        four = dec.generate_batch(prompts[:4], cfg.new_tokens)
-        four_s = time.perf_counter() - t0
+        runs = interleave({"generate": lambda b, dec=dec: dec.generate(prompts[b % n], cfg.new_tokens),
+                           "generate_batch": lambda b, dec=dec: dec.generate_batch([prompts[b % n]], cfg.new_tokens)},
+                          cfg.repeats * n)
+        for a, b in zip(runs["generate"], runs["generate_batch"], strict=True):
+            if a.value.sequences[0].tolist() != b.value.sequences[0].tolist():
+                raise SystemExit(f"{name}: generate and generate_batch gave different tokens")
+        one, batch = (sum(t.seconds for t in runs[k]) for k in ("generate", "generate_batch"))
+        tokens = sum(t.value.new_tokens for t in runs["generate"])
+        four = interleave({"batch 4": lambda _b, dec=dec: dec.generate_batch(prompts[:4], cfg.new_tokens)}, 1)
+        four = four["batch 4"][0]
         print(f"| {name} | {1000 * one / tokens:.2f} | {1000 * batch / tokens:.2f} | {batch / one:.3f} | "
-              f"{four.new_tokens / four_s:.1f} |", flush=True)
+              f"{four.value.new_tokens / four.seconds:.1f} |", flush=True)
     return 0
 
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
-import time
 
 import torch
 
 from eagle_tree import SamplingConfig, Tree, processed_probs, verify_tree
+from eagle_tree.bench.timing import repeat_seconds
 from eagle_tree.core.verify import VerifyRule
+from eagle_tree.decoding.metrics import quantile
 
 BRANCHING = (4, 3, 2, 2, 1, 1)  # children per node at depth 0..5
 N_NODES = 64
@@ -71,15 +71,13 @@ def make_case(kind: str, vocab: int, seed: int = 0):
 def bench(kind: str, vocab: int, repeats: int, warmup: int = 10) -> tuple[list[float], float]:
     parents, tokens, p, q = make_case(kind, vocab)
     g = torch.Generator().manual_seed(1)
-    times, accepted = [], 0
-    for i in range(warmup + repeats):
-        t0 = time.perf_counter()
-        res = verify_tree(Tree(parents, tokens), p, q, kind, g)
-        dt = time.perf_counter() - t0
-        if i >= warmup:
-            times.append(dt)
-            accepted += len(res.accepted)
-    return times, accepted / repeats
+    accepted: list[int] = []
+
+    def once() -> None:
+        accepted.append(len(verify_tree(Tree(parents, tokens), p, q, kind, g).accepted))
+
+    times = repeat_seconds(once, repeats, warmup)
+    return times, sum(accepted[warmup:]) / repeats
 
 
 def main() -> None:
@@ -100,9 +98,8 @@ def main() -> None:
     print(f"{'proposal':<22}{'us/call':>10}{'us/node':>10}{'p10/node':>10}{'p90/node':>10}{'accepted':>10}")
     for kind in tuple(VerifyRule):
         times, acc = bench(kind, args.vocab, args.repeats)
-        us = sorted(t * 1e6 for t in times)
-        med = statistics.median(us)
-        p10, p90 = us[len(us) // 10], us[(9 * len(us)) // 10]
+        us = [t * 1e6 for t in times]
+        med, p10, p90 = (quantile(us, q) for q in (0.5, 0.1, 0.9))
         print(f"{kind:<22}{med:>10.1f}{med / n:>10.2f}{p10 / n:>10.2f}{p90 / n:>10.2f}{acc:>10.2f}")
     # Reference points for reading the table: a float64 copy of one (n + 1, V) probability table
     # (verify_tree copies the target's and, for sampled kinds, the draft's), one row's sampling.
@@ -113,12 +110,8 @@ def main() -> None:
         ("float64 copy of one (n+1, V) table", lambda: p.to(torch.float64)),
         ("multinomial over one row", lambda: torch.multinomial(row, 1, generator=gen)),
     ]:
-        ts = []
-        for _ in range(args.repeats // 2 + 5):
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e6)
-        print(f"  {name}: {statistics.median(ts[5:]):.1f} us")
+        us = [t * 1e6 for t in repeat_seconds(fn, args.repeats // 2, warmup=5)]
+        print(f"  {name}: {quantile(us, 0.5):.1f} us")
     if hasattr(os, "getloadavg"):
         print(f"load average during the run: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
 

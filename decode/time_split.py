@@ -32,6 +32,7 @@ import time
 
 import torch
 
+from eagle_tree.bench.timing import interleave
 from eagle_tree.core.sampling import SamplingConfig
 from eagle_tree.decoding.decoder import SpeculativeDecoder
 from eagle_tree.decoding.drafting import TreeConfig
@@ -108,14 +109,18 @@ def main(argv=None) -> None:
     for dec in decoders.values():  # warm-up, untimed (compilation happens here)
         dec.generate(prompts[0], max_new_tokens=8, sampling=sampling)
     hf_generate_s(target.model, prompts[0], 8, sampling, args.seed)
-    outputs: dict[str, list] = {name: [] for name in decoders}
-    hf_s = 0.0
-    for r in range(args.repeats):  # interleaved: every method sees the same conditions
-        for i, prompt in enumerate(prompts):
-            seed = args.seed + 1000 * r + i
-            for name, dec in decoders.items():
-                outputs[name].append(dec.generate(prompt, max_new_tokens=args.new_tokens, sampling=sampling, seed=seed))
-            hf_s += hf_generate_s(target.model, prompt, args.new_tokens, sampling, seed)
+    n = len(prompts)
+
+    def seed_of(block: int) -> int:  # block = repeat * n + prompt
+        return args.seed + 1000 * (block // n) + block % n
+
+    calls = {name: (lambda b, dec=dec: dec.generate(prompts[b % n], max_new_tokens=args.new_tokens,
+                                                    sampling=sampling, seed=seed_of(b)))
+             for name, dec in decoders.items()}
+    calls["hf_generate"] = lambda b: hf_generate_s(target.model, prompts[b % n], args.new_tokens, sampling, seed_of(b))
+    runs = interleave(calls, args.repeats * n)  # every method sees the same conditions
+    outputs = {name: [t.value for t in runs[name]] for name in decoders}
+    hf_s = sum(t.value for t in runs["hf_generate"])
     hf_ms_per_token = 1e3 * hf_s / (args.repeats * len(prompts) * args.new_tokens)
 
     print(f"target {args.target}, head {args.head}, float32; torch {torch.__version__}, "

@@ -21,12 +21,11 @@ ends with a synchronisation.
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
 from eagle_tree.bench.hf import hf_generate
-from eagle_tree.bench.memory import PeakMemory
+from eagle_tree.bench.timing import interleave, repeat_seconds
 from eagle_tree.core.sampling import SamplingConfig
 from eagle_tree.core.tree import Tree
 from eagle_tree.decoding.decoder import SpeculativeDecoder
@@ -36,6 +35,7 @@ from eagle_tree.models.head import Eagle3DraftModel
 from eagle_tree.models.target import TargetModel
 
 GREEDY = SamplingConfig(temperature=0.0)
+HF = "hf_generate"
 VERIFY_TOKENS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 DECODE_SHAPES = {"plain": None, "chain-4": TreeConfig.chain(4),
                  "tree-d6k8n48": TreeConfig(depth=6, top_k=8, total_tokens=48)}
@@ -62,23 +62,9 @@ SHAPES["llama-3.1-8b-shape-small"] = {**SHAPES["llama-3.1-8b-shape"], "vocab_siz
                                       "num_key_value_heads": 2, "head_dim": 8}
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def median_ms(fn, device: torch.device, reps: int, warmup: int = 2) -> float:
     """Median wall time of ``fn()`` in milliseconds over ``reps`` calls after ``warmup`` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    synchronize(device)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    return 1e3 * statistics.median(repeat_seconds(fn, reps, warmup, device))
 
 
 def random_target(shape: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> TargetModel:
@@ -160,20 +146,20 @@ def decode_split(target: TargetModel, head: Eagle3DraftModel, prompts: list[torc
     device = target.device
     decoders = {name: SpeculativeDecoder(target, None if tree is None else head, tree=tree)
                 for name, tree in shapes.items()}
-    for dec in decoders.values():
+    methods = {name: (lambda i, dec=dec, n=new_tokens: dec.generate(prompts[i], max_new_tokens=n, sampling=GREEDY,
+                                                                  seed=i))
+               for name, dec in decoders.items()}
+    methods[HF] = lambda i, n=new_tokens: hf_generate(target.model, prompts[i], n, GREEDY, seed=i, eos_token_id=None,
+                                                      pad_token_id=0)
+    for dec in decoders.values():  # warm-up: a 4-token call each, untimed
         dec.generate(prompts[0], max_new_tokens=4, sampling=GREEDY)
     hf_generate(target.model, prompts[0], 4, GREEDY, eos_token_id=None, pad_token_id=0)
-    outputs = {name: [] for name in decoders}
-    peaks = dict.fromkeys(decoders, 0)
-    hf_s = hf_tokens = hf_peak = 0
-    for i, prompt in enumerate(prompts):
-        for name, dec in decoders.items():
-            with PeakMemory(device) as mem:
-                outputs[name].append(dec.generate(prompt, max_new_tokens=new_tokens, sampling=GREEDY, seed=i))
-            peaks[name] = max(peaks[name], mem.peak_bytes)
-        with PeakMemory(device) as mem:
-            hf = hf_generate(target.model, prompt, new_tokens, GREEDY, seed=i, eos_token_id=None, pad_token_id=0)
-        hf_s, hf_tokens, hf_peak = hf_s + hf.total_s, hf_tokens + hf.new_tokens, max(hf_peak, mem.peak_bytes)
+    runs = interleave(methods, len(prompts), device=device, memory=True)
+    outputs = {name: [t.value for t in runs[name]] for name in decoders}
+    peaks = {name: max((t.peak_bytes for t in calls), default=0) for name, calls in runs.items()}
+    hf_s = sum(t.value.total_s for t in runs[HF])
+    hf_tokens = sum(t.value.new_tokens for t in runs[HF])
+    hf_peak = peaks.pop(HF)
     rows = {}
     for name, outs in outputs.items():
         tree = shapes[name]

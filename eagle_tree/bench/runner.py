@@ -1,7 +1,7 @@
 """Side-by-side runs of decoding methods on one target (docs/MEASURING.md, "The bench").
 
 Every method is run on the same target object, tokenised prompts, sampling settings, seeds and
-output budget, in an interleaved order (:func:`interleaved_schedule`), and every call returns a
+output budget, in an interleaved order (eagle_tree.bench.timing, :func:`interleaved_schedule`), and every call returns a
 :class:`~eagle_tree.decoding.decoder.GenerateOutput`, so one summary (eagle_tree.bench.aggregate)
 serves them all:
 
@@ -26,6 +26,7 @@ import torch
 
 from eagle_tree.bench.hf import hf_generate
 from eagle_tree.bench.memory import PeakMemory
+from eagle_tree.bench.timing import Timed, interleave, rotation
 from eagle_tree.core.sampling import SamplingConfig
 from eagle_tree.decoding.decoder import GenerateOutput, SpeculativeDecoder
 from eagle_tree.decoding.drafting import TreeConfig
@@ -138,14 +139,9 @@ class BenchModels:
 
 
 def interleaved_schedule(n_methods: int, n_prompts: int, repeats: int) -> list[tuple[int, int, int]]:
-    """(repeat, prompt, method) calls: for each repeat, for each prompt, every method once, in an
-    order rotated by one place per (repeat, prompt) block so no method always runs first or last."""
-    calls = []
-    for r in range(repeats):
-        for p in range(n_prompts):
-            shift = (r * n_prompts + p) % max(n_methods, 1)
-            calls += [(r, p, (shift + j) % n_methods) for j in range(n_methods)]
-    return calls
+    """(repeat, prompt, method) calls of :func:`run_phase`: block k = (repeat, prompt) = divmod(k,
+    n_prompts) runs every method once in the order ``eagle_tree.bench.timing.rotation(n_methods, k)``."""
+    return [(*divmod(k, n_prompts), m) for k in range(repeats * n_prompts) for m in rotation(n_methods, k)]
 
 
 @dataclass
@@ -177,24 +173,30 @@ def run_phase(
     schedule. The seed of prompt p is ``seed + p`` in every method and repeat."""
     if len({m.name for m in methods}) != len(methods):
         raise ValueError(f"method names must be unique, got {[m.name for m in methods]}")
-    device = models.target.device
-    for p in range(min(warmup, len(prompts))):
-        for method in methods:
-            models.run(method, prompts[p], max_new_tokens, sampling, seed + p, eos_token_id)
-    outputs = {m.name: [[None] * len(prompts) for _ in range(repeats)] for m in methods}
-    peaks = dict.fromkeys(outputs, 0)
-    schedule, memory_method = [], PeakMemory(device).method
-    calls = interleaved_schedule(len(methods), len(prompts), repeats)
-    for i, (r, p, m) in enumerate(calls):
-        method = methods[m]
-        with PeakMemory(device) as mem:
-            out = models.run(method, prompts[p], max_new_tokens, sampling, seed + p, eos_token_id)
-        outputs[method.name][r][p] = out
-        peaks[method.name] = max(peaks[method.name], mem.peak_bytes)
-        schedule.append({"phase": phase, "repeat": r, "prompt": p, "method": method.name})
+    device, n = models.target.device, len(prompts)
+    total = repeats * n * len(methods)
+
+    def method_call(method: Method) -> Callable[[int], GenerateOutput]:
+        def call(block: int) -> GenerateOutput:  # block = repeat * n + prompt
+            p = block % n
+            return models.run(method, prompts[p], max_new_tokens, sampling, seed + p, eos_token_id)
+        return call
+
+    order: list[Timed[GenerateOutput]] = []
+
+    def record(t: Timed[GenerateOutput]) -> None:
+        order.append(t)
         if log is not None:
-            log(f"[{phase} {i + 1}/{len(calls)}] repeat {r} prompt {p} {method.name}: {out.new_tokens} tokens "
-                f"in {out.total_s:.3f} s")
+            log(f"[{phase} {len(order)}/{total}] repeat {t.block // n} prompt {t.block % n} {t.method}: "
+                f"{t.value.new_tokens} tokens in {t.value.total_s:.3f} s")
+
+    runs = interleave({m.name: method_call(m) for m in methods}, repeats * n, warmup=range(min(warmup, n)),
+                      device=device, memory=True, log=record)
+    outputs = {name: [[t.value for t in calls[r * n:(r + 1) * n]] for r in range(repeats)]
+               for name, calls in runs.items()}
+    peaks = {name: max((t.peak_bytes for t in calls), default=0) for name, calls in runs.items()}
+    schedule = [{"phase": phase, "repeat": t.block // n, "prompt": t.block % n, "method": t.method} for t in order]
+    memory_method = PeakMemory(device).method
     return PhaseResult(phase, list(methods), outputs, peaks, schedule, memory_method)
 
 

@@ -29,8 +29,8 @@ from typing import Any, Literal
 import torch
 
 from eagle_tree.bench.hf import hf_generate_batch
-from eagle_tree.bench.memory import PeakMemory
 from eagle_tree.bench.runner import BenchModels
+from eagle_tree.bench.timing import interleave, rotated, rotation
 from eagle_tree.bench.tuning import NONE, crossover_batch_size, pick_tuned
 from eagle_tree.core.sampling import SamplingConfig
 from eagle_tree.decoding.drafting import TreeConfig
@@ -236,6 +236,17 @@ class Sweep:
         if self.warmup_tokens:
             run_batch(self.models, method, prompts, self.warmup_tokens, self.sampling, self.seed, self.eos_token_id)
 
+    def _batch_call(self, method: ServingMethod, prompts: Sequence[torch.Tensor], batch: int,
+                    max_new_tokens: int) -> Callable[[int], BatchOutput]:
+        """Repeat r of a cell: prompts r*B .. r*B + B - 1, seed ``seed + r``."""
+        return lambda r: run_batch(self.models, method, prompts[r * batch:(r + 1) * batch], max_new_tokens,
+                                   self.sampling, self.seed + r, self.eos_token_id)
+
+    def _serve_call(self, method: ServingMethod, requests: Sequence[Request], max_batch: int
+                    ) -> Callable[[int], BatchOutput]:
+        return lambda _: run_serve(self.models, method, requests, max_batch, self.sampling, self.seed,
+                                   self.eos_token_id)
+
     def tune(self, candidates: Sequence[str], prompts: Sequence[torch.Tensor], batch_sizes: Sequence[int],
              max_new_tokens: int, tuning_repeats: int = 1) -> dict:
         """Per batch size B, every candidate shape decodes batches of B tuning prompts (pass r takes
@@ -246,15 +257,12 @@ class Sweep:
         throughput, tuned = {}, {}
         for b_index, batch in enumerate(batch_sizes):
             _check_pool(prompts, batch * tuning_repeats, "tuning")
-            order = _rotated(list(zip(candidates, methods, strict=True)), b_index)
-            outputs: dict[str, list[BatchOutput]] = {c: [] for c in candidates}
-            for _, method in order:
-                self._warm(method, prompts[:batch])
-            for r in range(tuning_repeats):
-                batch_prompts = prompts[r * batch:(r + 1) * batch]
-                for name, method in _rotated(order, r):
-                    outputs[name].append(run_batch(self.models, method, batch_prompts, max_new_tokens, self.sampling,
-                                                   self.seed + r, self.eos_token_id))
+            for i in rotation(len(methods), b_index):
+                self._warm(methods[i], prompts[:batch])
+            runs = interleave({c: self._batch_call(m, prompts, batch, max_new_tokens)
+                               for c, m in zip(candidates, methods, strict=True)},
+                              tuning_repeats, offset=b_index, device=self.models.target.device)
+            outputs = {c: [t.value for t in calls] for c, calls in runs.items()}
             throughput[batch] = {c: batch_figures(outputs[c])["throughput_tok_s"] or 0.0 for c in candidates}
             tuned[batch] = pick_tuned(throughput[batch])
             self._tick(f"tuning batch {batch}: {tuned[batch]}")
@@ -283,19 +291,14 @@ class Sweep:
                 reuse = next((n for n, m in fixed.items() if m.kind == "eagle" and m.tree == method.tree), None)
                 if reuse is None:
                     cell[TUNED] = method
-            outputs: dict[str, list[BatchOutput]] = {n: [] for n in cell}
-            peaks = dict.fromkeys(cell, 0)
-            order = _rotated(list(cell.items()), b_index)
-            for _, method in order if warmup else []:
-                self._warm(method, prompts[:batch])
-            for r in range(self.repeats):
-                chunk = prompts[r * batch:(r + 1) * batch]
-                for name, method in _rotated(order, r):
-                    with PeakMemory(self.models.target.device) as mem:
-                        out = run_batch(self.models, method, chunk, max_new_tokens, self.sampling, self.seed + r,
-                                        self.eos_token_id)
-                    outputs[name].append(out)
-                    peaks[name] = max(peaks[name], mem.peak_bytes)
+            if warmup:
+                for name in rotated(list(cell), b_index):
+                    self._warm(cell[name], prompts[:batch])
+            runs = interleave({name: self._batch_call(method, prompts, batch, max_new_tokens)
+                               for name, method in cell.items()},
+                              self.repeats, offset=b_index, device=self.models.target.device, memory=True)
+            outputs = {name: [t.value for t in calls] for name, calls in runs.items()}
+            peaks = {name: max(t.peak_bytes for t in calls) if calls else 0 for name, calls in runs.items()}
             by_name = {}
             for name, method in cell.items():
                 row = {"batch_size": batch, "method": name, "kind": method.kind, "shape": method.shape,
@@ -335,28 +338,21 @@ class Sweep:
         for i, rate in enumerate(rates):
             arrivals = poisson_arrivals(len(prompts), rate, self.seed)
             requests = [Request(p, max_new_tokens, t) for p, t in zip(prompts, arrivals, strict=True)]
+            span = arrivals[-1] if arrivals else 0.0
+            runs = interleave({name: self._serve_call(method, requests, max_batch) for name, method in run.items()},
+                              1, offset=i, device=self.models.target.device, memory=True,
+                              log=lambda t, rate=rate: self._tick(f"load {rate}/s {t.method}"))
             by_name = {}
-            for name, method in _rotated(list(run.items()), i):
-                with PeakMemory(self.models.target.device) as mem:
-                    out = run_serve(self.models, method, requests, max_batch, self.sampling, self.seed,
-                                    self.eos_token_id)
-                span = arrivals[-1] if arrivals else 0.0
+            for name, method in run.items():
+                (t,) = runs[name]
                 by_name[name] = {"rate_rps": rate, "method": name, "shape": method.shape, "max_batch": max_batch,
                                  "reused_from": None, "offered_rps": len(requests) / span if span > 0 else None,
-                                 "peak_memory_mb": mem.peak_bytes / 2**20} | batch_figures([out])
-                self._tick(f"load {rate}/s {name}")
+                                 "peak_memory_mb": t.peak_bytes / 2**20} | batch_figures([t.value])
             if reuse is not None:
                 by_name[TUNED] = by_name[reuse] | {"method": TUNED, "reused_from": reuse}
                 self._tick(f"load {rate}/s tuned (= {reuse})")
             rows += [by_name[name] for name in methods if name in by_name]
         return rows
-
-
-def _rotated(items: list, shift: int) -> list:
-    if not items:
-        return items
-    shift %= len(items)
-    return items[shift:] + items[:shift]
 
 
 def _check_pool(prompts: Sequence, needed: int, what: str) -> None:

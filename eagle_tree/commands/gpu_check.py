@@ -37,7 +37,8 @@ import torch
 
 from eagle_tree.bench import law
 from eagle_tree.bench.memory import PeakMemory
-from eagle_tree.bench.round_split import GREEDY, n_bytes, random_head, random_target, round_split, synchronize
+from eagle_tree.bench.round_split import GREEDY, n_bytes, random_head, random_target, round_split
+from eagle_tree.bench.timing import synchronize
 from eagle_tree.core.sampling import SamplingConfig, processed_probs
 from eagle_tree.core.tree import Tree
 from eagle_tree.decoding.context import ContextConfig

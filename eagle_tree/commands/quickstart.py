@@ -170,6 +170,7 @@ def compare(cfg: QuickstartConfig, head_dir: Path):
     head; return summaries (each row's ``head`` says which head drafted it) and outputs."""
     import torch
 
+    from eagle_tree.bench.timing import interleave
     from eagle_tree.core.sampling import SamplingConfig
     from eagle_tree.decoding.decoder import SpeculativeDecoder
     from eagle_tree.decoding.metrics import summarize
@@ -208,12 +209,10 @@ def compare(cfg: QuickstartConfig, head_dir: Path):
             if shape is not None:  # and the same shape drafted by the fresh head: only the head differs
                 decoders[("default", "fresh")] = SpeculativeDecoder(target, heads["fresh"][0], tree=shape)
                 decoders[("default", "shipped")] = default
-        outs: dict[tuple, list] = {key: [] for key in decoders}
-        n = len(decoders)
-        for i, ids in enumerate(prompt_ids):
-            order = list(decoders)[i % n :] + list(decoders)[: i % n]  # rotate who goes first
-            for key in order:
-                outs[key].append(decoders[key].generate(ids, cfg.max_new_tokens, sampling, seed=cfg.seed + i))
+        calls = {key: (lambda i, dec=dec, sampling=sampling: dec.generate(prompt_ids[i], cfg.max_new_tokens, sampling,
+                                                                          seed=cfg.seed + i))
+                 for key, dec in decoders.items()}  # prompt i: every decoder once, who goes first rotated
+        outs = {key: [t.value for t in runs] for key, runs in interleave(calls, len(prompt_ids)).items()}
         plain_tpot = None
         for (method, head_name), method_outs in outs.items():
             shape = decoders[(method, head_name)].shape_for(sampling) if method == "default" else shapes.get(method)
