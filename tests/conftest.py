@@ -5,5 +5,7 @@ import os
 
 import torch
 
+from tests.tiny_gguf import model, tiny, tokenizer  # noqa: F401 (fixtures: the tiny GGUF file, its model and tokenizer)
+
 os.environ.setdefault("WANDB_SILENT", "true")
 torch.set_num_threads(1)

@@ -21,7 +21,6 @@ import torch
 
 import eagle_tree.reference.chat_data as chat_data
 from eagle_tree.cli import main as cli_main
-from eagle_tree.models.gguf import load_causal_lm, load_tokenizer
 from eagle_tree.reference.chat_data import (
     MARKER,
     SPLITS,
@@ -48,21 +47,6 @@ CONVERSATION = [
     {"role": "assistant", "content": "Why did the cloud stay home?"},
 ]
 FILES = ["train.jsonl", "tuning.jsonl", "test.jsonl", "tuning_prompts.jsonl", "test_prompts.jsonl", "stats.json"]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny):
-    return load_tokenizer(tiny.path)
-
-
-@pytest.fixture(scope="module")
-def model(tiny):
-    return load_causal_lm(tiny.path)
 
 
 @pytest.fixture(scope="module")

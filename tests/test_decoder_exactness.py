@@ -25,6 +25,7 @@ from scipy.stats import chi2
 
 import eagle_tree.decoding.rounds as rounds_module
 from eagle_tree import SamplingConfig, VerifyResult, processed_probs
+from eagle_tree.bench.law import chi2_pvalue
 from eagle_tree.core.sampling import greedy_token
 from eagle_tree.core.tree import Tree
 from eagle_tree.core.verify import Proposal
@@ -334,20 +335,25 @@ def _exact_laws(sampling: SamplingConfig,
     return joint12, joint23
 
 
-def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square of observed counts against cell probabilities; cells with expected count < 5
-    are pooled into one. An observation in a zero-probability cell gives p = 0."""
-    counts, probs = counts.flatten().double(), probs.flatten().double()
-    if counts[probs <= 0].sum() > 0:
-        return 0.0
-    expected = probs * counts.sum()
-    big = expected >= 5
-    obs = torch.cat([counts[big], counts[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    if exp[-1] < 1e-9:
-        obs, exp = obs[:-1], exp[:-1]
-    stat = float(((obs - exp) ** 2 / exp).sum())
-    return float(chi2.sf(stat, len(obs) - 1))
+# The suite's chi-square is the device check's (eagle_tree.bench.law): cells with expected count < 5 pooled
+# into one, an observation in a zero-probability cell gives p = 0. The test below holds it against scipy.
+_chi2_pvalue = chi2_pvalue
+
+
+def test_chi2_pvalue_is_scipys_pearson_test():
+    """Where no cell is pooled the p-value is scipy's chi2.sf of Pearson's statistic; pooled cells count
+    as one; the wrong degrees of freedom (a negative control) give a different p-value."""
+    g = torch.Generator().manual_seed(0)
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    counts = torch.multinomial(probs, 500, replacement=True, generator=g).bincount(minlength=4).double()
+    stat = float(((counts - 500 * probs) ** 2 / (500 * probs)).sum())
+    assert _chi2_pvalue(counts, probs) == pytest.approx(chi2.sf(stat, 3), rel=1e-6)
+    assert _chi2_pvalue(counts, probs) != pytest.approx(chi2.sf(stat, 2), rel=1e-3)
+    tiny = torch.tensor([0.495, 0.495, 0.005, 0.005], dtype=torch.float64)  # the two small cells pool
+    c = torch.tensor([240.0, 250.0, 6.0, 4.0])
+    exp = torch.tensor([247.5, 247.5, 5.0])
+    obs = torch.tensor([240.0, 250.0, 10.0])
+    assert _chi2_pvalue(c, tiny) == pytest.approx(chi2.sf(float(((obs - exp) ** 2 / exp).sum()), 2), rel=1e-6)
 
 
 def test_chi2_check_rejects_a_biased_sampler_and_accepts_the_exact_one():

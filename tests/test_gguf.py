@@ -53,21 +53,6 @@ N_NEW = 24
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
-
-
-@pytest.fixture(scope="module")
-def model(tiny):
-    return load_causal_lm(tiny.path)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny):
-    return load_tokenizer(tiny.path)
-
-
-@pytest.fixture(scope="module")
 def converted(tiny, tmp_path_factory):
     """The Hugging Face folder of the tiny file, written once by convert_gguf."""
     return convert_gguf(tiny.path, tmp_path_factory.mktemp("converted") / "hf")

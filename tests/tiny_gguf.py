@@ -22,6 +22,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -158,3 +159,30 @@ def write_tiny_gguf(path: str | Path, *, layers: int = 4, hidden: int = 64, head
     w.write_tensors_to_file()
     w.close()
     return TinyGGUF(path, expected, vocab)
+
+
+# ----------------------------------------------------------------------------- fixtures
+# tests/conftest.py imports them, so every module may ask for them; a module's own fixture of the same
+# name (the toy target's ``model`` in a few modules) takes precedence there.
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> TinyGGUF:
+    """The tiny GGUF file, written once per test module."""
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    """The tiny file loaded as a causal LM through the project's one GGUF loader."""
+    from eagle_tree.models.gguf import load_causal_lm
+
+    return load_causal_lm(tiny.path)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny):
+    """The tiny file's tokenizer (with its chat template)."""
+    from eagle_tree.models.gguf import load_tokenizer
+
+    return load_tokenizer(tiny.path)
