@@ -25,7 +25,8 @@ def points(summaries: list[Path]) -> list[dict]:
         if not evals:
             raise SystemExit(f"{path} has no evaluations (eval.every_minutes / eval.at_end in the run's config)")
         for ev in evals:
-            rows.append({"run": k, "hours": (offset + ev["train_minutes"]) / 60, "step": ev["step"],
+            rows.append({"run": k, "hours": (offset + ev["train_minutes"]) / 60, "start": offset / 60,
+                         "step": ev["step"],
                          "chain": ev.get("acceptance_length_chain"), "tree": ev.get("acceptance_length_tree"),
                          "agreement": ev.get("agreement") or []})
         offset += max(ev["train_minutes"] for ev in evals)
@@ -57,7 +58,7 @@ def plot(rows: list[dict], out: Path, title: str) -> None:
     ax2.set(xlabel="hours of training", ylabel="top-1 agreement with the target", title="agreement", ylim=(0, 1))
     for ax in (ax1, ax2):
         for k in sorted({r["run"] for r in rows})[1:]:
-            ax.axvline(min(r["hours"] for r in rows if r["run"] == k), color="grey", lw=0.5, ls=":")
+            ax.axvline(next(r["start"] for r in rows if r["run"] == k), color="grey", lw=0.8, ls=":")  # run k starts
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(title)
