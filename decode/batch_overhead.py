@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"{name}: generate and generate_batch gave different tokens")
         one, batch = (sum(t.seconds for t in runs[k]) for k in ("generate", "generate_batch"))
         tokens = sum(t.value.new_tokens for t in runs["generate"])
-        four = interleave({"batch 4": lambda _b, dec=dec: dec.generate_batch(prompts[:4], cfg.new_tokens)}, 1)
-        four = four["batch 4"][0]
+        (four,) = interleave({"batch 4": lambda _b, dec=dec: dec.generate_batch(prompts[:4], cfg.new_tokens)},
+                             1)["batch 4"]
         print(f"| {name} | {1000 * one / tokens:.2f} | {1000 * batch / tokens:.2f} | {batch / one:.3f} | "
               f"{four.value.new_tokens / four.seconds:.1f} |", flush=True)
     return 0

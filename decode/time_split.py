@@ -121,7 +121,7 @@ def main(argv=None) -> None:
     runs = interleave(calls, args.repeats * n)  # every method sees the same conditions
     outputs = {name: [t.value for t in runs[name]] for name in decoders}
     hf_s = sum(t.value for t in runs["hf_generate"])
-    hf_ms_per_token = 1e3 * hf_s / (args.repeats * len(prompts) * args.new_tokens)
+    hf_ms_per_token = 1e3 * hf_s / (args.repeats * n * args.new_tokens)
 
     print(f"target {args.target}, head {args.head}, float32; torch {torch.__version__}, "
           f"{torch.get_num_threads()} thread(s), {platform.machine()}, compile={args.compile}")

@@ -12,7 +12,8 @@ import torch
 from eagle_tree.bench.aggregate import method_rows
 from eagle_tree.bench.hf import hf_generate
 from eagle_tree.bench.memory import PeakMemory
-from eagle_tree.bench.runner import PLAIN, BenchModels, Method, PhaseResult, interleaved_schedule
+from eagle_tree.bench.runner import PLAIN, BenchModels, Method, PhaseResult
+from eagle_tree.bench.timing import rotation
 from eagle_tree.commands.bench import BenchConfig, main
 from eagle_tree.commands.decode import DecodeConfig, load_models
 from eagle_tree.core.sampling import SamplingConfig
@@ -114,10 +115,14 @@ def test_smoke_bench_interleaves_methods(smoke):
 
 
 def test_interleaved_schedule_rotates():
-    calls = interleaved_schedule(n_methods=3, n_prompts=2, repeats=2)
+    """run_phase's block k = (repeat, prompt) = divmod(k, n_prompts) runs the methods in rotation(n, k)."""
+    calls = [(*divmod(k, 2), m) for k in range(2 * 2) for m in rotation(3, k)]
     assert sorted(calls) == [(r, p, m) for r in range(2) for p in range(2) for m in range(3)]
     assert [m for _, _, m in calls[:6]] == [0, 1, 2, 1, 2, 0]
     assert [calls[i][2] for i in range(0, 12, 3)] == [0, 1, 2, 0]
+    two = [(*divmod(k, 3), m) for k in range(2 * 3) for m in rotation(2, k)]  # 2 methods, 3 prompts, 2 repeats
+    assert two[:4] == [(0, 0, 0), (0, 0, 1), (0, 1, 1), (0, 1, 0)]
+    assert len(two) == 12 and two[-2:] == [(1, 2, 1), (1, 2, 0)]
 
 
 @pytest.mark.slow

@@ -6,7 +6,6 @@ import time
 
 import pytest
 
-from eagle_tree.bench.runner import interleaved_schedule
 from eagle_tree.bench.timing import interleave, repeat_seconds, rotated, rotation
 
 
@@ -62,10 +61,3 @@ def test_repeat_seconds_skips_warmup_calls():
     n = []
     times = repeat_seconds(lambda: n.append(1), 5, warmup=3)
     assert len(times) == 5 and len(n) == 8
-
-
-def test_bench_schedule_is_the_harness_order():
-    """run_phase's recorded schedule and interleaved_schedule describe the same calls."""
-    calls = interleaved_schedule(n_methods=2, n_prompts=3, repeats=2)
-    assert calls[:4] == [(0, 0, 0), (0, 0, 1), (0, 1, 1), (0, 1, 0)]
-    assert len(calls) == 12 and calls[-2:] == [(1, 2, 1), (1, 2, 0)]

@@ -146,11 +146,10 @@ def decode_split(target: TargetModel, head: Eagle3DraftModel, prompts: list[torc
     device = target.device
     decoders = {name: SpeculativeDecoder(target, None if tree is None else head, tree=tree)
                 for name, tree in shapes.items()}
-    methods = {name: (lambda i, dec=dec, n=new_tokens: dec.generate(prompts[i], max_new_tokens=n, sampling=GREEDY,
-                                                                  seed=i))
+    methods = {name: (lambda i, dec=dec: dec.generate(prompts[i], max_new_tokens=new_tokens, sampling=GREEDY, seed=i))
                for name, dec in decoders.items()}
-    methods[HF] = lambda i, n=new_tokens: hf_generate(target.model, prompts[i], n, GREEDY, seed=i, eos_token_id=None,
-                                                      pad_token_id=0)
+    methods[HF] = lambda i: hf_generate(target.model, prompts[i], new_tokens, GREEDY, seed=i, eos_token_id=None,
+                                        pad_token_id=0)
     for dec in decoders.values():  # warm-up: a 4-token call each, untimed
         dec.generate(prompts[0], max_new_tokens=4, sampling=GREEDY)
     hf_generate(target.model, prompts[0], 4, GREEDY, eos_token_id=None, pad_token_id=0)

@@ -1,7 +1,7 @@
 """Side-by-side runs of decoding methods on one target (docs/MEASURING.md, "The bench").
 
 Every method is run on the same target object, tokenised prompts, sampling settings, seeds and
-output budget, in an interleaved order (eagle_tree.bench.timing, :func:`interleaved_schedule`), and every call returns a
+output budget, interleaved by the one timing harness (eagle_tree.bench.timing), and every call returns a
 :class:`~eagle_tree.decoding.decoder.GenerateOutput`, so one summary (eagle_tree.bench.aggregate)
 serves them all:
 
@@ -26,7 +26,7 @@ import torch
 
 from eagle_tree.bench.hf import hf_generate
 from eagle_tree.bench.memory import PeakMemory
-from eagle_tree.bench.timing import Timed, interleave, rotation
+from eagle_tree.bench.timing import Timed, interleave
 from eagle_tree.core.sampling import SamplingConfig
 from eagle_tree.decoding.decoder import GenerateOutput, SpeculativeDecoder
 from eagle_tree.decoding.drafting import TreeConfig
@@ -136,12 +136,6 @@ class BenchModels:
 
 
 # ---------------------------------------------------------------------------------- scheduling
-
-
-def interleaved_schedule(n_methods: int, n_prompts: int, repeats: int) -> list[tuple[int, int, int]]:
-    """(repeat, prompt, method) calls of :func:`run_phase`: block k = (repeat, prompt) = divmod(k,
-    n_prompts) runs every method once in the order ``eagle_tree.bench.timing.rotation(n_methods, k)``."""
-    return [(*divmod(k, n_prompts), m) for k in range(repeats * n_prompts) for m in rotation(n_methods, k)]
 
 
 @dataclass
