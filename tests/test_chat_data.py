@@ -35,6 +35,7 @@ from eagle_tree.reference.chat_data import (
     usable_prompt,
 )
 from eagle_tree.training.data import encode_conversation
+from eagle_tree.utils.prompts import read_prompt_file
 from tests.tiny_gguf import SYSTEM_PROMPT, write_tiny_gguf
 
 SYSTEM = f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n"
@@ -46,7 +47,8 @@ CONVERSATION = [
     {"role": "user", "content": "Tell me a joke."},
     {"role": "assistant", "content": "Why did the cloud stay home?"},
 ]
-FILES = ["train.jsonl", "tuning.jsonl", "test.jsonl", "tuning_prompts.jsonl", "test_prompts.jsonl", "stats.json"]
+FILES = ["train.jsonl", "tuning.jsonl", "test.jsonl", "tuning_prompts.jsonl", "test_prompts.jsonl",
+         "tuning_turns.jsonl", "test_turns.jsonl", "stats.json"]
 
 
 @pytest.fixture(scope="module")
@@ -318,6 +320,35 @@ def test_load_target_reads_a_gguf_chat_model(tiny, tmp_path):
     plain = write_tiny_gguf(tmp_path / "plain.gguf", chat_template=None)
     with pytest.raises(ValueError, match="no chat_template"):
         load_target(_cfg(tiny, tmp_path, target=str(plain.path)))
+
+
+def test_turn_prompts_hold_each_first_turn_then_its_second_in_golden_text(tokenizer):
+    one_turn = {"conversations": CONVERSATION[:2]}
+    lines = chat_data.turn_prompts(tokenizer, "tuning", [{"conversations": CONVERSATION}, one_turn])
+    assert [(t["id"], t["turn"]) for t in lines] == [("tuning-000-turn1", 1), ("tuning-000-turn2", 2),
+                                                     ("tuning-001-turn1", 1)]
+    assert lines[0]["prompt"] == lines[2]["prompt"] == (
+        f"{SYSTEM}{USER_HEADER}What is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    assert lines[1]["messages"] == CONVERSATION[:3]
+    assert lines[1]["prompt"] == (
+        f"{SYSTEM}{USER_HEADER}What is the capital of France?<|im_end|>\n"
+        "<|im_start|>assistant\nThe capital of France is Paris.<|im_end|>\n"
+        f"{USER_HEADER}Tell me a joke.<|im_end|>\n<|im_start|>assistant\n")
+    assert "Why did the cloud" not in lines[1]["prompt"]  # the second reply is what is decoded, never given
+
+
+def test_built_turn_files_follow_the_first_turn_files(built, tokenizer):
+    _, out, _ = built
+    seconds = 0
+    for s in ("tuning", "test"):
+        firsts = [json.loads(line) for line in (out / f"{s}_prompts.jsonl").read_text().splitlines()]
+        turns = [json.loads(line) for line in (out / f"{s}_turns.jsonl").read_text().splitlines()]
+        assert [t["prompt"] for t in turns if t["turn"] == 1] == [p["prompt"] for p in firsts]
+        rows = [json.loads(line) for line in (out / f"{s}.jsonl").read_text().splitlines()]
+        assert sum(t["turn"] == 2 for t in turns) == sum(len(r["conversations"]) == 4 for r in rows)
+        assert [p.text for p in read_prompt_file(out / f"{s}_turns.jsonl")] == [t["prompt"] for t in turns]
+        seconds += sum(t["turn"] == 2 for t in turns)
+    assert seconds > 0  # the fixture's data holds second turns, so the checks above saw some
 
 
 def test_cli_chat_data_with_no_time_writes_empty_splits(tiny, tmp_path, capsys):

@@ -21,7 +21,10 @@ resumes after the last marker, and a rerun with a larger ``conversations`` exten
 count or ``max_minutes`` is reached, the rows are split by a hash of their first prompt into
 ``train.jsonl``, ``tuning.jsonl`` and ``test.jsonl`` (conversations), ``tuning_prompts.jsonl`` and
 ``test_prompts.jsonl`` (first-turn prompts rendered with the chat template, for ``decode`` and
-``bench``), and ``stats.json`` (counts, tokens, seconds).
+``bench``), ``tuning_turns.jsonl`` and ``test_turns.jsonl`` (each conversation's first turn, then its
+second: the template through the first reply and the follow-up question, the context MT-bench's turn 2
+decodes in; tune on these when the benchmark has second turns), and ``stats.json`` (counts, tokens,
+seconds).
 
     eagle-tree chat-data --config configs/chat-data-smollm2.yaml target=$(eagle-tree reference smollm2 | tail -1)
 """
@@ -227,7 +230,7 @@ def fingerprint(cfg: ChatDataConfig, tokenizer) -> str:
 
 KIND = "eagle-tree chat-data"
 OUTPUT_FILES = ("rows.partial.jsonl", "stats.json", *(f"{s}.jsonl" for s in SPLITS), "tuning_prompts.jsonl",
-                "test_prompts.jsonl")
+                "test_prompts.jsonl", "tuning_turns.jsonl", "test_turns.jsonl")
 
 
 def _is_partial_run(folder: Path) -> bool:
@@ -315,6 +318,20 @@ def build_chat_data(cfg: ChatDataConfig, model=None, tokenizer=None) -> dict:
     return write_splits(out, rows, stats, tokenizer, cfg)
 
 
+def turn_prompts(tokenizer, split: str, rows: list[dict]) -> list[dict]:
+    """Per conversation, its first-turn prompt and then, when it has two turns, the second: the chat
+    template through the first reply and the follow-up question (``turn`` says which)."""
+    out = []
+    for i, r in enumerate(rows):
+        conv = r["conversations"]
+        users = [j for j, m in enumerate(conv) if m["role"] == "user"]
+        for turn, j in enumerate(users[:2], 1):
+            messages = conv[: j + 1]
+            out.append({"id": f"{split}-{i:03d}-turn{turn}", "turn": turn,
+                        "prompt": reply_prompt(tokenizer, messages), "messages": messages})
+    return out
+
+
 def write_splits(out: Path, rows: list[dict], stats: list[dict], tokenizer, cfg: ChatDataConfig) -> dict:
     by_split = {s: [r for r in rows if r["split"] == s] for s in SPLITS}
     for s, part in by_split.items():
@@ -323,6 +340,8 @@ def write_splits(out: Path, rows: list[dict], stats: list[dict], tokenizer, cfg:
         lines = [json.dumps({"id": f"{s}-{i:03d}", "prompt": reply_prompt(tokenizer, r["conversations"][:1]),
                              "messages": r["conversations"][:1]}) for i, r in enumerate(by_split[s])]
         write_text(out / f"{s}_prompts.jsonl", "".join(line + "\n" for line in lines))
+        write_text(out / f"{s}_turns.jsonl", "".join(json.dumps(t) + "\n" for t in turn_prompts(tokenizer, s,
+                                                                                              by_split[s])))
     reply_tokens = sum(st["tokens"]["reply"] for st in stats)
     summary = {
         "conversations": len(rows), "by_split": {s: len(p) for s, p in by_split.items()},
