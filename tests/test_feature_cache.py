@@ -131,3 +131,36 @@ def test_fingerprint_sees_a_small_weight_change(setup):
         after = target_fingerprint(target)
         layer[5, 7] = original
     assert before != after
+
+
+def test_several_vocabularies_share_one_forward_and_equal_caches_built_alone(setup, tmp_path, monkeypatch):
+    import eagle_tree.training.feature_cache as fc
+
+    target, _, examples = setup
+    small, large = DRAFT_IDS[:16], torch.arange(VOCAB - 40, VOCAB)
+    alone = [FeatureCache.build(tmp_path / f"alone-{i}", target, examples, ids, examples_per_shard=4)
+             for i, ids in enumerate((small, large))]
+    calls = []
+    real = fc.example_targets
+    monkeypatch.setattr(fc, "example_targets", lambda t, ids: calls.append(1) or real(t, ids))
+    (tmp_path / "many-1").mkdir()
+    FeatureCache.build(tmp_path / "many-1", target, examples[:4], large, examples_per_shard=4)  # wrong data
+    with pytest.raises(StaleCacheError, match="dataset"):
+        FeatureCache.build_many([(tmp_path / "many-0", small), (tmp_path / "many-1", large)], target, examples,
+                                examples_per_shard=4)
+    calls.clear()
+    for shard in (tmp_path / "many-1").iterdir():
+        shard.unlink()
+    many = FeatureCache.build_many([(tmp_path / "many-0", small), (tmp_path / "many-1", large)], target, examples,
+                                   examples_per_shard=4)
+    assert len(calls) == len(examples)  # one forward per example for both caches, not one per cache
+    for got, want in zip(many, alone, strict=True):
+        assert torch.equal(got.draft_ids, want.draft_ids) and got.meta == want.meta
+        for i in range(len(examples)):
+            for a, b in zip(got.get(i), want.get(i), strict=True):
+                assert torch.equal(a, b)
+    assert not torch.equal(many[0].get(0)[1][:, :4], many[1].get(0)[1][:, :4])  # each kept its own columns
+    calls.clear()
+    FeatureCache.build_many([(tmp_path / "many-0", small), (tmp_path / "many-1", large)], target, examples,
+                            examples_per_shard=4)
+    assert calls == []  # complete caches: nothing recomputed

@@ -77,3 +77,39 @@ def test_study_config_refusals(tmp_path):
     for name in study.variants:  # every variant of the reference study resolves to a valid training config
         cfg = variant_config(study, name)
         assert cfg.schedule.max_minutes == study.minutes and cfg.eval.copy_prompts == "code"
+
+
+def test_features_only_builds_every_variants_cache_with_one_forward_per_example(tmp_path, monkeypatch):
+    import eagle_tree.training.feature_cache as fc
+    from eagle_tree.training.feature_cache import FeatureCache
+
+    calls = []
+    real = fc.example_targets
+    monkeypatch.setattr(fc, "example_targets", lambda t, ids: calls.append(1) or real(t, ids))
+    variants = {"small": ["data.draft_vocab_size=16", f"features.cache_dir={tmp_path / 'c16'}"],
+                "large": ["data.draft_vocab_size=32", f"features.cache_dir={tmp_path / 'c32'}"],
+                "same": ["optim.lr=1e-4", f"features.cache_dir={tmp_path / 'c16'}", "data.draft_vocab_size=16"]}
+    common = ["features.source=cache", "features.examples_per_shard=64", "data.max_length=24",
+              f"target.toy_cache_dir={TOY_CACHE}"]
+    study = _study(tmp_path / "study", extra=["features_only=true", f"variants={json.dumps(variants)}",
+                                             f"common={json.dumps(common)}"])
+    assert run_study(study)["variants"] == {}
+    small, large = FeatureCache(tmp_path / "c16"), FeatureCache(tmp_path / "c32")
+    assert len(small.draft_ids) == 16 and len(large.draft_ids) == 32
+    assert not small.missing_shards() and not large.missing_shards() and len(small) == len(large) > 0
+    assert len(calls) == len(small)  # two caches (three variants), one target forward per example
+    assert not (tmp_path / "study" / "small" / "final").exists()  # nothing trained
+
+
+def test_the_smollm2_study_gives_each_draft_vocabulary_its_own_cache():
+    from eagle_tree.training.study import variant_config
+
+    study = load_config(StudyConfig, ROOT / "configs" / "study-smollm2.yaml", [])
+    cfgs = {name: variant_config(study, name) for name in study.variants}
+    by_cache: dict[str, set[int]] = {}
+    for cfg in cfgs.values():
+        assert cfg.features.source == "cache" and cfg.schedule.max_minutes == study.minutes
+        assert "tuning" in cfg.eval.prompts  # evaluated on our own tuning prompts, never MT-bench
+        by_cache.setdefault(cfg.features.cache_dir, set()).add(cfg.data.draft_vocab_size)
+    assert all(len(sizes) == 1 for sizes in by_cache.values())  # a cache serves one vocabulary
+    assert sorted(s for sizes in by_cache.values() for s in sizes) == [8192, 16384, 32768]

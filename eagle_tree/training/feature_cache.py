@@ -213,46 +213,79 @@ class FeatureCache:
         ``barrier`` synchronises the ranks (``accelerator.wait_for_everyone``); rank 0 writes
         ``meta.json`` first. A folder with another fingerprint raises :class:`StaleCacheError`.
         """
-        directory = Path(directory)
-        draft_ids = torch.as_tensor(draft_ids).long().sort().values
-        fingerprint = fingerprint or cls.fingerprint(target, examples, draft_ids)
+        return cls.build_many([(directory, draft_ids)], target, examples, examples_per_shard, rank, world_size,
+                              [fingerprint], barrier, progress)[0]
+
+    @classmethod
+    def build_many(
+        cls,
+        caches: Sequence[tuple[str | os.PathLike, torch.Tensor]],
+        target,
+        examples,
+        examples_per_shard: int = 256,
+        rank: int = 0,
+        world_size: int = 1,
+        fingerprints: Sequence[dict | None] | None = None,
+        barrier: Callable[[], None] = lambda: None,
+        progress: bool = False,
+    ) -> list[FeatureCache]:
+        """:meth:`build` for several draft vocabularies of one target and dataset, ``caches`` being
+        (folder, draft_ids) pairs: each example's target forward runs once and feeds every cache that lacks
+        its shard (the forward is the cost; the caches differ only in which logit columns they keep)."""
+        fingerprints = list(fingerprints or [None] * len(caches))
+        plans = []  # (directory, sorted ids, t2d, examples per shard, shards this rank writes)
         n = len(examples)
-        num_shards = -(-n // examples_per_shard)
-        meta = {
-            "format": FORMAT_VERSION, "fingerprint": fingerprint, "num_examples": n,
-            "examples_per_shard": examples_per_shard, "num_shards": num_shards,
-            "feature_size": 3 * target.hidden_size, "feature_dtype": str(target.dtype).removeprefix("torch."),
-            "vocab_size": target.vocab_size, "draft_ids": draft_ids.tolist(),
-        }
-        if rank == 0:  # an existing meta.json (and its shard size) wins; every rank checks it below
-            directory.mkdir(parents=True, exist_ok=True)
-            if not (directory / META_NAME).is_file():
-                write_bytes(directory / META_NAME, (json.dumps(meta, indent=1) + "\n").encode())
+        for (directory, draft_ids), fingerprint in zip(caches, fingerprints, strict=True):
+            directory = Path(directory)
+            draft_ids = torch.as_tensor(draft_ids).long().sort().values
+            fingerprint = fingerprint or cls.fingerprint(target, examples, draft_ids)
+            meta = {
+                "format": FORMAT_VERSION, "fingerprint": fingerprint, "num_examples": n,
+                "examples_per_shard": examples_per_shard, "num_shards": -(-n // examples_per_shard),
+                "feature_size": 3 * target.hidden_size, "feature_dtype": str(target.dtype).removeprefix("torch."),
+                "vocab_size": target.vocab_size, "draft_ids": draft_ids.tolist(),
+            }
+            if rank == 0:  # an existing meta.json (and its shard size) wins; every rank checks it below
+                directory.mkdir(parents=True, exist_ok=True)
+                if not (directory / META_NAME).is_file():
+                    write_bytes(directory / META_NAME, (json.dumps(meta, indent=1) + "\n").encode())
+            plans.append([directory, draft_ids, fingerprint])
         barrier()
-        meta = _read_meta(directory / META_NAME)
-        _check_fingerprint(directory, meta, fingerprint)  # all ranks raise together on a stale cache
-        per, t2d = meta["examples_per_shard"], torch.zeros(target.vocab_size, dtype=torch.bool)
-        t2d[draft_ids] = True
-        mine = [s for s in range(meta["num_shards"]) if s % world_size == rank
-                and not (directory / _shard_name(s)).is_file()]
+        for plan in plans:
+            directory, draft_ids, fingerprint = plan
+            meta = _read_meta(directory / META_NAME)
+            _check_fingerprint(directory, meta, fingerprint)  # all ranks raise together on a stale cache
+            t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
+            t2d[draft_ids] = True
+            per = meta["examples_per_shard"]
+            mine = {s for s in range(meta["num_shards"]) if s % world_size == rank
+                    and not (directory / _shard_name(s)).is_file()}
+            plan[2:] = [t2d, per, mine]
+        # caches of one shard size share each shard's forwards; a cache of another size builds on its own
+        jobs: dict[tuple[int, int], list] = {}
+        for directory, draft_ids, t2d, per, mine in plans:
+            for s in mine:
+                jobs.setdefault((per, s), []).append((directory / _shard_name(s), draft_ids, t2d))
         bar = None
-        if progress and mine:
+        if progress and jobs:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(mine), desc=f"feature cache (rank {rank})", unit="shard")
-        for s in mine:
-            _write_shard(directory / _shard_name(s), target, examples, range(s * per, min((s + 1) * per, n)),
-                         draft_ids, t2d)
+            bar = tqdm(total=len(jobs), desc=f"feature cache (rank {rank})", unit="shard")
+        for (per, s), outputs in sorted(jobs.items()):
+            _write_shards(outputs, target, examples, range(s * per, min((s + 1) * per, n)))
             if bar is not None:
                 bar.update(1)
         if bar is not None:
             bar.close()
         barrier()
-        cache = cls(directory)
-        missing = cache.missing_shards()
-        if missing:
-            raise RuntimeError(f"feature cache {directory} is missing shards {missing[:5]} after building")
-        return cache
+        built = []
+        for directory, *_ in plans:
+            cache = cls(directory)
+            missing = cache.missing_shards()
+            if missing:
+                raise RuntimeError(f"feature cache {directory} is missing shards {missing[:5]} after building")
+            built.append(cache)
+        return built
 
     @classmethod
     def open(cls, directory: str | os.PathLike, fingerprint: dict | None = None) -> FeatureCache:
@@ -314,24 +347,25 @@ def _check_fingerprint(directory: Path, meta: dict, fingerprint: dict) -> None:
         )
 
 
-def _write_shard(path: Path, target, examples, indices: Sequence[int], draft_ids: torch.Tensor,
-                 t2d: torch.Tensor) -> None:
+def _write_shards(outputs: Sequence[tuple[Path, torch.Tensor, torch.Tensor]], target, examples,
+                  indices: Sequence[int]) -> None:
+    """One shard (examples ``indices``) into every (path, draft_ids, t2d) of ``outputs``, one forward each."""
     from safetensors.torch import save_file
 
-    features, draft_logits, flags, offsets = [], [], [], [0]
+    features, offsets = [], [0]
+    columns: list[tuple[list, list]] = [([], []) for _ in outputs]
     for i in indices:
         f, z = example_targets(target, _example_ids(examples, i))
-        d, top = compress_logits(z, draft_ids, t2d)
         features.append(f.cpu())
-        draft_logits.append(d.cpu())
-        flags.append(top.cpu())
         offsets.append(offsets[-1] + f.shape[0])
-    tensors = {
-        "features": torch.cat(features).contiguous(),
-        "draft_logits": torch.cat(draft_logits).contiguous(),
-        "top_in_draft": torch.cat(flags).contiguous(),
-        "offsets": torch.tensor(offsets, dtype=torch.long),
-        "example_ids": torch.tensor(list(indices), dtype=torch.long),
-    }
-    with atomic_file(path) as tmp:
-        save_file(tensors, str(tmp), metadata={"format": str(FORMAT_VERSION)})
+        for (_, draft_ids, t2d), (logits, flags) in zip(outputs, columns, strict=True):
+            d, top = compress_logits(z, draft_ids, t2d)
+            logits.append(d.cpu())
+            flags.append(top.cpu())
+    shared = {"features": torch.cat(features).contiguous(), "offsets": torch.tensor(offsets, dtype=torch.long),
+              "example_ids": torch.tensor(list(indices), dtype=torch.long)}
+    for (path, _, _), (logits, flags) in zip(outputs, columns, strict=True):
+        tensors = {**shared, "draft_logits": torch.cat(logits).contiguous(),
+                   "top_in_draft": torch.cat(flags).contiguous()}
+        with atomic_file(path) as tmp:
+            save_file(tensors, str(tmp), metadata={"format": str(FORMAT_VERSION)})

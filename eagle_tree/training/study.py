@@ -12,7 +12,10 @@ name); the study writes, into ``output_dir``:
     curves.png          acceptance lengths and top-1 agreement against training minutes
 
 A variant whose folder already holds a finished run (train_summary.json) with the same resolved config is
-kept, so an interrupted study continues where it stopped.
+kept, so an interrupted study continues where it stopped. Before any variant trains, the feature caches
+the variants lack are built, each example's target forward once for every variant of the same target
+and data (variants that differ in draft vocabulary need caches of their own, but not forwards of their
+own); ``features_only=true`` stops there.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 
 from eagle_tree.utils.tracking import WandbConfig
 
-__all__ = ["StudyConfig", "run_study", "variant_config", "study_table", "curves_plot"]
+__all__ = ["StudyConfig", "run_study", "variant_config", "build_feature_caches", "study_table", "curves_plot"]
 
 METRICS = (("acceptance_length_chain", "held-out chain"), ("acceptance_length_tree", "held-out tree"),
            ("acceptance_length_copy_chain", "copying chain"), ("acc_0", "held-out top-1 agreement, step 0"))
@@ -56,6 +59,8 @@ class StudyConfig:
     the figures move by chance"""
     rerun: bool = False
     """train every variant again, even one whose folder holds a finished run of the same config"""
+    features_only: bool = False
+    """build the variants' missing feature caches (features.source=cache) and stop before training"""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Weights & Biases: every variant is a run named NAME-VARIANT and tagged NAME, plus one run with the table"""
 
@@ -94,6 +99,46 @@ def variant_config(study: StudyConfig, name: str):
     if w.dir:
         fixed.append(f"wandb.dir={w.dir}")
     return load_config(TrainConfig, study.base, [*fixed, *study.common, *study.variants[name]])
+
+
+def build_feature_caches(configs: list, threads: int = 1, progress: bool = True) -> list[Path]:
+    """Build the missing feature caches of training configs with ``features.source=cache``: configs that
+    share the target and the data share each example's target forward. Returns the cache folders."""
+    import torch
+
+    from eagle_tree.models.head import Eagle3DraftModel
+    from eagle_tree.training.data import build_draft_vocab
+    from eagle_tree.training.feature_cache import FeatureCache
+    from eagle_tree.training.resolve import load_target, resolve_data
+    from eagle_tree.utils.config import config_to_dict
+
+    groups: dict[str, list] = {}
+    for cfg in configs:
+        if cfg.features.source != "cache" or not cfg.features.cache_dir:
+            continue
+        data = {k: v for k, v in config_to_dict(cfg.data).items() if k != "draft_vocab_size"}
+        key = json.dumps([config_to_dict(cfg.target), data, cfg.features.examples_per_shard], default=str)
+        groups.setdefault(key, []).append(cfg)
+    folders = []
+    torch.set_num_threads(threads)
+    for cfgs in groups.values():
+        unique = {str(Path(c.features.cache_dir).expanduser()): c for c in cfgs}
+        first = next(iter(unique.values()))
+        target, tokenizer = load_target(first)
+        examples = resolve_data(first).load(tokenizer)
+        caches = []
+        for folder, cfg in unique.items():
+            if cfg.model.init_from:  # a warm start keeps its head's draft vocabulary
+                ids = Eagle3DraftModel.from_pretrained(cfg.model.init_from, target=target).draft_to_target.cpu()
+            else:
+                ids = build_draft_vocab(examples, target.vocab_size, cfg.data.draft_vocab_size)
+            caches.append((folder, ids))
+        print(f"[study] feature caches {', '.join(unique)}: one target forward per example for "
+              f"{len(caches)} cache(s)", flush=True)
+        FeatureCache.build_many(caches, target, examples, examples_per_shard=first.features.examples_per_shard,
+                                progress=progress)
+        folders += [Path(f) for f in unique]
+    return folders
 
 
 def _finished(cfg) -> dict | None:
@@ -139,6 +184,11 @@ def run_study(study: StudyConfig) -> dict:
     save_config(study, out / "study.yaml")
     names = study.only or list(study.variants)
     configs = {name: variant_config(study, name) for name in names}  # every variant checked before any trains
+    unfinished = [cfg for cfg in configs.values() if study.rerun or _finished(cfg) is None]
+    build_feature_caches(unfinished, threads=study.threads)
+    if study.features_only:
+        print("[study] features_only: the feature caches are built; rerun without it to train", flush=True)
+        return {"study": config_to_dict(study), "variants": {}}
     results: dict = {"study": config_to_dict(study), "variants": {}}
     for i, name in enumerate(names, 1):
         cfg = configs[name]
