@@ -3,6 +3,7 @@
 Usage: python decode/time_split.py [--target assets/reference/target] [--head assets/reference/head]
        [--prompts assets/reference/prompts/test.jsonl] [--limit 4] [--new-tokens 64] [--repeats 2]
        [--shapes plain chain-2 tree-d3k3n8] [--temperature 0.0] [--threads 2] [--compile] [--seed 0]
+       [--prepack off|on|both]
 
 Decodes the same prompts with each shape and with Hugging Face ``generate`` (interleaved, after one
 warm-up call each) and prints one row per shape, side by side:
@@ -16,6 +17,11 @@ warm-up call each) and prints one row per shape, side by side:
   the speed-up over plain decoding in eagle-tree's loop;
 - for plain decoding, Hugging Face ``generate`` time per token on the same prompts (its own cache,
   greedy or sampled with the same settings, EOS disabled), the honest denominator's check.
+
+``--prepack both`` runs every shape on a second copy of the target whose linear layers hold oneDNN-packed
+weights for forwards of several rows (eagle_tree.models.prepack; rows named ``SHAPE prepacked``), interleaved
+with the first, so the two kernels are compared under the same conditions; speed-ups stay against the
+first copy's plain decoding.
 
 EOS is ignored so every call produces ``--new-tokens`` tokens. At temperature 0 every shape is also
 checked to give plain decoding's tokens. The default run (4 prompts, 64 tokens, 2 repeats) takes about
@@ -64,6 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="SpeculativeDecoder(compile=True)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prepack", choices=["off", "on", "both"], default="off",
+                   help="the target's linear layers with packed weights (eagle_tree.models.prepack)")
     return p.parse_args(argv)
 
 
@@ -95,11 +103,18 @@ def main(argv=None) -> None:
     shapes = {name: parse_shape(name) for name in args.shapes}
     if "plain" not in shapes:
         shapes = {"plain": None, **shapes}
-    target = TargetModel.from_pretrained(args.target)
-    head = Eagle3DraftModel.from_pretrained(args.head, target=target)
+    kernels = {"off": [""], "on": [" prepacked"], "both": ["", " prepacked"]}[args.prepack]
     options = {"compile": True} if args.compile else {}  # without it, the script also runs on older checkouts
-    decoders = {name: SpeculativeDecoder(target, None if tree is None else head, tree=tree, **options)
-                for name, tree in shapes.items()}
+    decoders, trees = {}, {}
+    for suffix in kernels:  # prepack= only when asked, so the script also runs on older checkouts
+        target = TargetModel.from_pretrained(args.target, **({"prepack": True} if suffix else {}))
+        head = Eagle3DraftModel.from_pretrained(args.head, target=target)
+        for name, tree in shapes.items():
+            decoders[name + suffix] = SpeculativeDecoder(target, None if tree is None else head, tree=tree, **options)
+            trees[name + suffix] = tree
+        if suffix == kernels[0]:
+            first_target = target
+    target, plain_name = first_target, "plain" + kernels[0]
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     with open(args.prompts) as f:
         texts = [json.loads(line)["prompt"] for line in f if line.strip()][: args.limit]
@@ -131,14 +146,14 @@ def main(argv=None) -> None:
               "other share", "round ms", "ms/token", "speed-up")
     print("| " + " | ".join(header) + " |")
     print("|" + "|".join("---" for _ in header) + "|")
-    summaries = {name: summarize(name, args.temperature, outs, depth=(shapes[name] or TreeConfig.chain(1)).depth)
+    summaries = {name: summarize(name, args.temperature, outs, depth=(trees[name] or TreeConfig.chain(1)).depth)
                  for name, outs in outputs.items()}
-    step_ms = 1e3 * summaries["plain"].verify_s_per_round
-    plain_tpot = summaries["plain"].time_per_output_token_s
+    step_ms = 1e3 * summaries[plain_name].verify_s_per_round
+    plain_tpot = summaries[plain_name].time_per_output_token_s
     for name, s in summaries.items():
         draft, verify, other = (1e3 * s.draft_s_per_round, 1e3 * s.verify_s_per_round, 1e3 * s.other_s_per_round)
         round_ms = draft + verify + other
-        forwards = head_forwards(shapes[name])
+        forwards = head_forwards(trees[name])
         cells = (name, f"{s.acceptance_length:.2f}", f"{draft:.2f}",
                  f"{draft / forwards:.2f} ({draft / forwards / step_ms:.2f} step)" if forwards else "-",
                  f"{verify:.2f}", f"{verify / step_ms:.2f}", f"{other:.2f}", f"{100 * other / round_ms:.1f}%",
@@ -148,7 +163,7 @@ def main(argv=None) -> None:
     print(f"plain decoding: eagle-tree loop {1e3 * plain_tpot:.2f} ms/token, Hugging Face generate "
           f"{hf_ms_per_token:.2f} ms/token (loop / generate = {1e3 * plain_tpot / hf_ms_per_token:.3f})")
     if args.temperature == 0.0:
-        plain = [o.sequences for o in outputs["plain"]]
+        plain = [o.sequences for o in outputs[plain_name]]
         same = all(torch.equal(a.sequences, b) for outs in outputs.values() for a, b in zip(outs, plain, strict=True))
         print(f"greedy outputs identical to plain decoding: {'yes' if same else 'NO'}")
 

@@ -119,7 +119,8 @@ def load_bench_models(cfg: BenchConfig):
     """BenchModels for the config (``eagle_tree.bench.runner.load_bench_models``)."""
     from eagle_tree.bench.runner import load_bench_models as load
 
-    return load(cfg.target, cfg.head, cfg.methods, cfg.dtype, cfg.device, cfg.assistant, cfg.assistant_tokens)
+    return load(cfg.target, cfg.head, cfg.methods, cfg.dtype, cfg.device, cfg.assistant, cfg.assistant_tokens,
+                prepack=cfg.target_prepack)
 
 
 def baseline_methods(cfg: BenchConfig):

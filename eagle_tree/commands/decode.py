@@ -43,6 +43,9 @@ class GenerationOptions:
     """Stop a continuation at the tokenizer's EOS token (length differences from plain decoding are reported)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Precision of every model (target, head, assistant)."""
+    target_prepack: bool = False
+    """CPU, float32: give the target's linear layers a oneDNN-packed weight for forwards of several rows
+    (verification, prefill), at twice the weights' memory (eagle_tree.models.prepack)."""
 
 
 @dataclass
@@ -114,7 +117,7 @@ def load_models(cfg: DecodeConfig):
     from eagle_tree.decoding.loading import load_decoder
 
     tree = TreeConfig.chain(cfg.chain_length, sampled=cfg.tree.sampled) if cfg.mode == "chain" else cfg.tree
-    return load_decoder(cfg.target, cfg.head, cfg.mode, cfg.dtype, tree, cfg.shapes)
+    return load_decoder(cfg.target, cfg.head, cfg.mode, cfg.dtype, tree, cfg.shapes, prepack=cfg.target_prepack)
 
 
 def main(argv: list[str]) -> int:

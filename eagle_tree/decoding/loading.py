@@ -21,10 +21,11 @@ def check_head_path(head: str) -> None:
 
 
 def load_decoder(target: str, head: str | None, mode: str, dtype: str, tree: TreeConfig,
-                 shapes: str | None = None):
+                 shapes: str | None = None, prepack: bool = False):
     """(SpeculativeDecoder, tokenizer). ``mode``: "plain" (no head), "tree" / "chain" (``tree``), "auto"
     (the shape a bench tuning file ``shapes`` selected) or "default" (the head folder's decoding.json).
-    The target path, the head path and the head's weights are checked first."""
+    The target path, the head path and the head's weights are checked first. ``prepack``: the target's
+    linear layers get packed weights for forwards of several rows (eagle_tree.models.prepack)."""
     from eagle_tree.models.gguf import load_tokenizer
     from eagle_tree.models.head import Eagle3DraftModel
     from eagle_tree.models.target import TargetModel
@@ -47,11 +48,11 @@ def load_decoder(target: str, head: str | None, mode: str, dtype: str, tree: Tre
 
             with contextlib.suppress(ValueError):  # layers unknown until the target is loaded
                 layers = read_config(json.loads((head_path / "config.json").read_text())).feature_layers
-        model = TargetModel.from_pretrained(target, dtype=dtype, feature_layers=layers)
+        model = TargetModel.from_pretrained(target, dtype=dtype, feature_layers=layers, prepack=prepack)
         draft = Eagle3DraftModel.from_pretrained(head, target=model, dtype=dtype)
         check_finite_weights(draft, f"the head in {head}")
     else:
-        model = TargetModel.from_pretrained(target, dtype=dtype)
+        model = TargetModel.from_pretrained(target, dtype=dtype, prepack=prepack)
     if mode == "auto":
         from eagle_tree.decoding.shapes import load_tuned_shape
 

@@ -122,15 +122,21 @@ class TargetModel:
         name_or_path: str,
         dtype: torch.dtype = torch.float32,
         feature_layers: Sequence[int] | None = None,
+        prepack: bool = False,
         **kwargs,
     ) -> TargetModel:
         """Load a hub id, a local folder or a ``.gguf`` file (or a folder with ``gguf_file=NAME``) through
         :func:`eagle_tree.models.gguf.load_causal_lm` (sdpa attention unless ``attn_implementation`` is
-        given in ``kwargs``, e.g. ``device_map``), in eval mode."""
+        given in ``kwargs``, e.g. ``device_map``), in eval mode. ``prepack``: CPU float32 linear layers
+        get a oneDNN-packed weight for forwards of several rows (:mod:`eagle_tree.models.prepack`)."""
         from eagle_tree.models.gguf import load_causal_lm
 
         kwargs.setdefault("attn_implementation", "sdpa")
         model = load_causal_lm(name_or_path, dtype=dtype, **kwargs)
+        if prepack:
+            from eagle_tree.models.prepack import prepack_linears
+
+            prepack_linears(model)
         return cls(model.eval(), feature_layers=feature_layers)
 
     @property
