@@ -99,6 +99,10 @@ def test_features_only_builds_every_variants_cache_with_one_forward_per_example(
     assert not small.missing_shards() and not large.missing_shards() and len(small) == len(large) > 0
     assert len(calls) == len(small)  # two caches (three variants), one target forward per example
     assert not (tmp_path / "study" / "small" / "final").exists()  # nothing trained
+    import eagle_tree.training.resolve as resolve
+
+    monkeypatch.setattr(resolve, "load_target", lambda *a: pytest.fail("complete caches need no target"))
+    assert run_study(study)["variants"] == {}  # a rerun finds the caches complete and loads nothing
 
 
 def test_the_smollm2_study_gives_each_draft_vocabulary_its_own_cache():

@@ -114,8 +114,8 @@ def build_feature_caches(configs: list, threads: int = 1, progress: bool = True)
 
     groups: dict[str, list] = {}
     for cfg in configs:
-        if cfg.features.source != "cache" or not cfg.features.cache_dir:
-            continue
+        if cfg.features.source != "cache" or not cfg.features.cache_dir or _complete(cfg.features.cache_dir):
+            continue  # a complete cache's fingerprint is checked when its variant trains
         data = {k: v for k, v in config_to_dict(cfg.data).items() if k != "draft_vocab_size"}
         key = json.dumps([config_to_dict(cfg.target), data, cfg.features.examples_per_shard], default=str)
         groups.setdefault(key, []).append(cfg)
@@ -139,6 +139,15 @@ def build_feature_caches(configs: list, threads: int = 1, progress: bool = True)
                                 progress=progress)
         folders += [Path(f) for f in unique]
     return folders
+
+
+def _complete(folder: str) -> bool:
+    from eagle_tree.training.feature_cache import FeatureCache, StaleCacheError
+
+    try:
+        return not FeatureCache(Path(folder).expanduser()).missing_shards()
+    except (FileNotFoundError, StaleCacheError, ValueError, OSError):
+        return False
 
 
 def _finished(cfg) -> dict | None:
