@@ -389,3 +389,20 @@ def test_smoke_run_with_the_batched_engine(assets, tmp_path):
     out = tmp_path / "out"
     report, markdown, _ = _smoke(assets, out)
     _check_report(report, markdown, out, real_engine=True)
+
+
+def test_smoke_run_on_a_prepacked_target(assets, tmp_path):
+    """target_prepack reaches the serving bench's target: its linear layers are packed, and batched
+    eagle-tree outputs still equal batched plain decoding on the same target."""
+    from eagle_tree.commands.bench_serving import ServingBenchConfig, load_models
+    from eagle_tree.models.prepack import PackedLinear, prepack_available
+
+    if not prepack_available():
+        pytest.skip("this torch build has no oneDNN packed linear")
+    cfg = ServingBenchConfig(target=str(assets["target"]), head=str(assets["head"]), target_prepack=True)
+    packed = [m for m in load_models(cfg).target.model.modules() if isinstance(m, PackedLinear)]
+    assert packed  # the negative control is the default: test_smoke_run_with_the_batched_engine has none
+    out = tmp_path / "out"
+    report, markdown, _ = _smoke(assets, out, ["target_prepack=true"])
+    assert report["config"]["target_prepack"] is True
+    _check_report(report, markdown, out, real_engine=True)

@@ -105,6 +105,32 @@ def test_features_only_builds_every_variants_cache_with_one_forward_per_example(
     assert run_study(study)["variants"] == {}  # a rerun finds the caches complete and loads nothing
 
 
+@pytest.mark.slow
+def test_a_warm_started_variants_cache_keeps_its_heads_draft_vocabulary(tmp_path):
+    """The cache built ahead of a study holds the vocabulary the variant will train with: a warm start's
+    own, never one rebuilt from the data at data.draft_vocab_size (the mistake would make every cached
+    target distribution the wrong width for the head)."""
+    import torch
+
+    import eagle_tree as et
+    from eagle_tree.data.toy import build_toy
+    from eagle_tree.training.feature_cache import FeatureCache
+
+    target = et.TargetModel.from_pretrained(build_toy(cache_dir=TOY_CACHE).target)
+    ids = torch.arange(3, 3 + 2 * 20, 2)  # 20 ids the data's frequencies would never pick in this order
+    et.Eagle3DraftModel.from_target(target, draft_vocab=ids, layers=target.feature_layers).save_pretrained(
+        tmp_path / "warm")
+    variants = {"warm": [f"model.init_from={tmp_path / 'warm'}", f"features.cache_dir={tmp_path / 'cw'}"],
+                "fresh": [f"features.cache_dir={tmp_path / 'cf'}"]}
+    common = ["features.source=cache", "features.examples_per_shard=64", "data.max_length=24",
+              "data.draft_vocab_size=16", f"target.toy_cache_dir={TOY_CACHE}"]
+    study = _study(tmp_path / "study", extra=["features_only=true", f"variants={json.dumps(variants)}",
+                                             f"common={json.dumps(common)}"])
+    run_study(study)
+    assert torch.equal(FeatureCache(tmp_path / "cw").draft_ids.cpu(), ids)
+    assert len(FeatureCache(tmp_path / "cf").draft_ids) == 16  # the negative control: built from the data
+
+
 def test_the_smollm2_study_gives_each_draft_vocabulary_its_own_cache():
     from eagle_tree.training.study import variant_config
 

@@ -57,6 +57,9 @@ class ServingBenchConfig:
     """torch.set_num_threads (null: torch's default)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Precision of the target and the head."""
+    target_prepack: bool = False
+    """CPU, float32: give the target's linear layers a oneDNN-packed weight for forwards of several rows
+    (verification, batched steps, prefill), at twice the weights' memory (eagle_tree.models.prepack)."""
     sampling: CommandSampling = field(default_factory=CommandSampling)
     """temperature (0 = greedy), top_k (0 = off), top_p (1.0 = off); the same for every method."""
     seed: int = 0
@@ -239,7 +242,8 @@ def load_models(cfg: ServingBenchConfig):
 
     return load_bench_models(BenchConfig(target=cfg.target, head=cfg.head if cfg.needs_head else None,
                                          assistant=None, device=cfg.device, dtype=cfg.dtype,
-                                         methods=["plain", "chain"] if cfg.needs_head else ["plain"]))
+                                         methods=["plain", "chain"] if cfg.needs_head else ["plain"],
+                                         target_prepack=cfg.target_prepack))
 
 
 def run(cfg: ServingBenchConfig) -> int:

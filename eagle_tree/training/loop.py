@@ -52,10 +52,9 @@ from eagle_tree.training.checkpoint import (
     save_checkpoint,
 )
 from eagle_tree.training.config import EvalSection, TrainConfig
-from eagle_tree.training.data import build_draft_vocab
 from eagle_tree.training.evaluate import evaluate_acceptance
 from eagle_tree.training.feature_cache import FeatureCache
-from eagle_tree.training.resolve import load_target, read_copy_prompts, read_prompts, resolve_data
+from eagle_tree.training.resolve import initial_head, load_target, read_copy_prompts, read_prompts, resolve_data
 from eagle_tree.training.rundir import RunLock, claim_output_dir, resume_changes
 from eagle_tree.training.sharding import cpu_fsdp_requested, full_state_dict, shard
 from eagle_tree.training.stream import DataStream, batch_targets
@@ -385,19 +384,7 @@ class _Run:
 
     def _head(self):
         """The head (and its draft vocabulary) from the checkpoint being resumed, a warm start, or fresh."""
-        from eagle_tree.models.head import Eagle3DraftModel
-
-        source = self.resume_from or self.cfg.model.init_from
-        if source is not None:
-            return Eagle3DraftModel.from_pretrained(source, target=self.target).float().train()
-        ids = build_draft_vocab(self.examples, self.target.vocab_size, self.cfg.data.draft_vocab_size)
-        m = self.cfg.model
-        head = Eagle3DraftModel.from_target(self.target, draft_vocab=ids, layers=self.target.feature_layers,
-                                            seed=m.seed, init=m.init, init_parts=m.init_parts)
-        if m.init == "target" and self.main:
-            print(f"[eagle-tree train] head initialised from the target: {', '.join(head.init_report) or 'nothing'} "
-                  f"(of {', '.join(m.init_parts)})", flush=True)
-        return head.float().train()
+        return initial_head(self.cfg, self.target, self.examples, source=self.resume_from, report=self.main)
 
     def _feature_cache(self, draft):
         if self.cfg.features.source != "cache":

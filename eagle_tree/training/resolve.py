@@ -12,7 +12,7 @@ from eagle_tree.data.corpus import split_jsonl
 from eagle_tree.training.config import TrainConfig
 from eagle_tree.training.data import DataConfig
 
-__all__ = ["load_target", "resolve_data", "read_prompts", "read_copy_prompts"]
+__all__ = ["load_target", "resolve_data", "initial_head", "read_prompts", "read_copy_prompts"]
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -52,6 +52,27 @@ def resolve_data(cfg: TrainConfig) -> DataConfig:
         data.path = [str(split_jsonl(p, Path(cfg.output_dir) / "data", chunk_chars=3 * data.max_length))
                      if isinstance(p, str) and p.startswith("stdlib:") else p for p in data.path]
     return data
+
+
+def initial_head(cfg: TrainConfig, target, examples, source: str | Path | None = None, report: bool = False):
+    """The head a run starts from, with its draft vocabulary: ``source`` (a checkpoint being resumed) or
+    ``model.init_from`` (a warm start) keeps that head's weights and vocabulary; otherwise a fresh head
+    over the ``data.draft_vocab_size`` most frequent loss-masked tokens of ``examples``. The one place
+    this choice is made: training and the feature caches built ahead of a study both call it."""
+    from eagle_tree.models.head import Eagle3DraftModel
+    from eagle_tree.training.data import build_draft_vocab
+
+    source = source or cfg.model.init_from
+    if source is not None:
+        return Eagle3DraftModel.from_pretrained(source, target=target).float().train()
+    ids = build_draft_vocab(examples, target.vocab_size, cfg.data.draft_vocab_size)
+    m = cfg.model
+    head = Eagle3DraftModel.from_target(target, draft_vocab=ids, layers=target.feature_layers,
+                                        seed=m.seed, init=m.init, init_parts=m.init_parts)
+    if m.init == "target" and report:
+        print(f"[eagle-tree train] head initialised from the target: {', '.join(head.init_report) or 'nothing'} "
+              f"(of {', '.join(m.init_parts)})", flush=True)
+    return head.float().train()
 
 
 def read_prompts(cfg: TrainConfig) -> list[str]:

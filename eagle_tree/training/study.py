@@ -106,10 +106,8 @@ def build_feature_caches(configs: list, threads: int = 1, progress: bool = True)
     share the target and the data share each example's target forward. Returns the cache folders."""
     import torch
 
-    from eagle_tree.models.head import Eagle3DraftModel
-    from eagle_tree.training.data import build_draft_vocab
     from eagle_tree.training.feature_cache import FeatureCache
-    from eagle_tree.training.resolve import load_target, resolve_data
+    from eagle_tree.training.resolve import initial_head, load_target, resolve_data
     from eagle_tree.utils.config import config_to_dict
 
     groups: dict[str, list] = {}
@@ -126,13 +124,9 @@ def build_feature_caches(configs: list, threads: int = 1, progress: bool = True)
         first = next(iter(unique.values()))
         target, tokenizer = load_target(first)
         examples = resolve_data(first).load(tokenizer)
-        caches = []
-        for folder, cfg in unique.items():
-            if cfg.model.init_from:  # a warm start keeps its head's draft vocabulary
-                ids = Eagle3DraftModel.from_pretrained(cfg.model.init_from, target=target).draft_to_target.cpu()
-            else:
-                ids = build_draft_vocab(examples, target.vocab_size, cfg.data.draft_vocab_size)
-            caches.append((folder, ids))
+        # each variant's draft vocabulary, chosen exactly as its training run will choose it
+        caches = [(folder, initial_head(cfg, target, examples).draft_to_target.cpu())
+                  for folder, cfg in unique.items()]
         print(f"[study] feature caches {', '.join(unique)}: one target forward per example for "
               f"{len(caches)} cache(s)", flush=True)
         FeatureCache.build_many(caches, target, examples, examples_per_shard=first.features.examples_per_shard,
