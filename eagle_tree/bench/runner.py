@@ -26,7 +26,7 @@ import torch
 
 from eagle_tree.bench.hf import hf_generate
 from eagle_tree.bench.memory import PeakMemory
-from eagle_tree.bench.timing import Timed, interleave
+from eagle_tree.bench.timing import Timed, interleave, rotated
 from eagle_tree.core.sampling import SamplingConfig
 from eagle_tree.decoding.decoder import GenerateOutput, SpeculativeDecoder
 from eagle_tree.decoding.drafting import TreeConfig
@@ -139,6 +139,29 @@ class BenchModels:
 
 
 @dataclass
+class Resume:
+    """Journalling of a phase (eagle_tree.bench.journal): finished blocks of an earlier run of the same
+    phase are read back instead of run, each new block is appended, and ``stop()`` (asked between blocks)
+    ends the phase early with eagle_tree.bench.timing.Stopped. ``identity``: what else decides the
+    figures (weights, threads, device, dtype), hashed into the phase's key."""
+
+    journal: Any
+    identity: dict
+    sitting: int = 0
+    stop: Callable[[], bool] | None = None
+    resumed: int = 0  # set by run_phase: blocks read back
+    earlier_sittings: set = field(default_factory=set)  # the sittings those blocks came from
+
+
+def method_identity(method: Method, models: BenchModels) -> list:
+    """What a method is, for a journal key (the head's default shapes for head_defaults)."""
+    defaults = repr(models.decoder(None, True).defaults) if method.kind == "eagle" and method.tree is None \
+        and method.head else None
+    return [method.name, method.kind, method.shape, repr(method.tree), method.assistant, method.prompt_lookup_tokens,
+            defaults]
+
+
+@dataclass
 class PhaseResult:
     """Outputs of one phase (tuning or test): ``outputs[name][repeat][prompt]``."""
 
@@ -162,9 +185,11 @@ def run_phase(
     eos_token_id: int | None = None,
     warmup: int = 1,
     log: Callable[[str], None] | None = None,
+    resume: Resume | None = None,
 ) -> PhaseResult:
     """Warm every method up on the first ``warmup`` prompts (not recorded), then run the interleaved
-    schedule. The seed of prompt p is ``seed + p`` in every method and repeat."""
+    schedule. The seed of prompt p is ``seed + p`` in every method and repeat. With ``resume``, blocks
+    journalled by an earlier run of the same phase are read back, not run (:class:`Resume`)."""
     if len({m.name for m in methods}) != len(methods):
         raise ValueError(f"method names must be unique, got {[m.name for m in methods]}")
     device, n = models.target.device, len(prompts)
@@ -184,12 +209,39 @@ def run_phase(
             log(f"[{phase} {len(order)}/{total}] repeat {t.block // n} prompt {t.block % n} {t.method}: "
                 f"{t.value.new_tokens} tokens in {t.value.total_s:.3f} s")
 
+    journal = {}
+    if resume is not None:
+        import hashlib
+
+        from eagle_tree.bench.journal import phase_key
+
+        digest = hashlib.sha256()
+        for p in prompts:
+            digest.update(p.detach().cpu().numpy().tobytes() + b"|")
+        key = phase_key(phase=phase, methods=[method_identity(m, models) for m in methods],
+                        prompts=digest.hexdigest(), repeats=repeats, max_new_tokens=max_new_tokens,
+                        sampling=repr(sampling), seed=seed, eos=eos_token_id, identity=resume.identity)
+        done = resume.journal.load(key, prompts, [m.name for m in methods])
+        done = {b: calls for b, calls in done.items() if b < repeats * n}
+        resume.resumed = len(done)
+        resume.earlier_sittings |= resume.journal.loaded_sittings if done else set()
+        journal = dict(done=done, stop=resume.stop,
+                       on_block=lambda b, calls: resume.journal.append(key, b, calls, resume.sitting))
+        if done:
+            print(f"{phase}: {len(done)} of {repeats * n} blocks read back from {resume.journal.path}")
     runs = interleave({m.name: method_call(m) for m in methods}, repeats * n, warmup=range(min(warmup, n)),
-                      device=device, memory=True, log=record)
+                      device=device, memory=True, log=record, **journal)
     outputs = {name: [[t.value for t in calls[r * n:(r + 1) * n]] for r in range(repeats)]
                for name, calls in runs.items()}
     peaks = {name: max((t.peak_bytes for t in calls), default=0) for name, calls in runs.items()}
-    schedule = [{"phase": phase, "repeat": t.block // n, "prompt": t.block % n, "method": t.method} for t in order]
+    ran: dict[int, list[str]] = {}
+    for t in order:  # the order the calls ran in; blocks read back from a journal ran in their rotation
+        ran.setdefault(t.block, []).append(t.method)
+    resumed = set(journal.get("done", ()))
+    names = [m.name for m in methods]
+    schedule = [{"phase": phase, "repeat": b // n, "prompt": b % n, "method": name} | ({"resumed": True} if b in
+                resumed else {}) for b in range(repeats * n) for name in (rotated(names, b) if b in resumed
+                                                                         else ran.get(b, []))]
     memory_method = PeakMemory(device).method
     return PhaseResult(phase, list(methods), outputs, peaks, schedule, memory_method)
 

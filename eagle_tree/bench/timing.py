@@ -53,6 +53,15 @@ class Timed(Generic[T]):
     peak_bytes: int = 0
 
 
+class Stopped(Exception):
+    """:func:`interleave` stopped between blocks because ``stop()`` said so; ``done`` blocks of
+    ``blocks`` are finished (and were passed to ``on_block``)."""
+
+    def __init__(self, done: int, blocks: int):
+        super().__init__(f"stopped after {done} of {blocks} blocks")
+        self.done, self.blocks = done, blocks
+
+
 def interleave(
     methods: Mapping[str, Callable[[int], T]],
     blocks: int,
@@ -62,6 +71,9 @@ def interleave(
     device: torch.device | str | None = None,
     memory: bool = False,
     log: Callable[[Timed], Any] | None = None,
+    done: Mapping[int, Mapping[str, Timed[T]]] | None = None,
+    on_block: Callable[[int, dict[str, Timed[T]]], Any] | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> dict[str, list[Timed[T]]]:
     """Run ``methods[name](block)`` for every block 0..blocks-1 and every method, interleaved.
 
@@ -69,16 +81,31 @@ def interleave(
     allocator and cache warm-up), then block b runs the methods in the order ``rotation(n, offset + b)``.
     Returns, per method in ``methods``' order, its :class:`Timed` calls in block order. ``memory``
     measures each call's peak memory above its start (eagle_tree.bench.memory); ``log`` sees each
-    timed call as it ends."""
+    timed call as it ends.
+
+    Resuming (eagle_tree.bench.journal): blocks in ``done`` (block -> method -> call, from an earlier
+    run) are returned as they are and not run again; ``on_block(b, calls)`` sees each block that ran as
+    soon as its last method returns; ``stop()`` is asked before each block that would run, and when it
+    says so :class:`Stopped` is raised (warm-up is skipped when nothing is left to run)."""
     if blocks < 0:
         raise ValueError(f"blocks must be >= 0, got {blocks}")
     names = list(methods)
-    for b in warmup:
-        for name in names:
-            methods[name](b)
+    done = done or {}
+    finished = sum(1 for b in range(blocks) if b in done)
+    if finished < blocks:
+        for b in warmup:
+            for name in names:
+                methods[name](b)
     synchronize(device)
     out: dict[str, list[Timed[T]]] = {name: [] for name in names}
     for b in range(blocks):
+        if b in done:
+            for name in names:
+                out[name].append(done[b][name])
+            continue
+        if stop is not None and stop():
+            raise Stopped(finished, blocks)
+        calls: dict[str, Timed[T]] = {}
         for name in rotated(names, offset + b):
             peak = 0
             if memory:
@@ -89,8 +116,12 @@ def interleave(
                 value, seconds = _timed(methods[name], b, device)
             call = Timed(name, b, value, seconds, peak)
             out[name].append(call)
+            calls[name] = call
             if log is not None:
                 log(call)
+        finished += 1
+        if on_block is not None:
+            on_block(b, calls)
     return out
 
 

@@ -94,6 +94,13 @@ class BenchConfig(GenerationOptions):
     earlier bench's: files of the same names that something else wrote are never replaced)."""
     overwrite: bool = False
     """Write into `output_dir` even when it holds files of these names that an earlier bench did not write."""
+    resume: bool = True
+    """Continue an interrupted run of the same config in `output_dir`: the blocks (a prompt of a repeat, every
+    method) recorded in its bench_journal.jsonl are read back, not run again (false: measure everything afresh).
+    The journal is removed once the report is written."""
+    max_minutes: float | None = None
+    """Stop between blocks after this many minutes (exit status 3, no report yet); the same command continues
+    the run. For benchmarks longer than one sitting, such as the full MT-bench (null: no limit)."""
     tiny_assets: str | None = None
     """Build tiny random models and prompts in this folder (once) and use them instead of the paths above."""
     plots: bool = True
@@ -104,6 +111,7 @@ class BenchConfig(GenerationOptions):
     """Weights & Biases logging of the summary and plots."""
 
     def __post_init__(self) -> None:
+        check_range("max_minutes", self.max_minutes, 0, allow_none=True, meaning="no limit", integer=False)
         for name in ("tuning_limit", "test_limit"):
             check_range(name, getattr(self, name), 1, allow_none=True, meaning="all prompts")
         for name in ("max_new_tokens", "repeats", "tuning_repeats", "prompt_lookup_tokens"):
@@ -153,7 +161,7 @@ def _decoding_folders(cfg: BenchConfig, out_dir: Path) -> list[Path]:
     return [out_dir] + ([Path(cfg.head)] if cfg.head_defaults and cfg.head else [])
 
 
-def tune_shapes(cfg: BenchConfig, models, tuning_ids, out_dir: Path, **common):
+def tune_shapes(cfg: BenchConfig, models, tuning_ids, out_dir: Path, resume=None, **common):
     """Run every candidate shape on the tuning prompts; write shapes.json; return (its dict, selection)."""
     from eagle_tree.bench.runner import eagle_method, run_phase
     from eagle_tree.bench.tuning import save_tuned_shapes, selection, shape_measurements
@@ -161,7 +169,8 @@ def tune_shapes(cfg: BenchConfig, models, tuning_ids, out_dir: Path, **common):
 
     shapes = candidate_shapes(cfg)
     print(f"tuning {len(shapes)} shapes on {len(tuning_ids)} prompts x {cfg.tuning_repeats} ({cfg.tuning_prompts})")
-    result = run_phase("tuning", [eagle_method(s) for s in shapes], models, tuning_ids, cfg.tuning_repeats, **common)
+    result = run_phase("tuning", [eagle_method(s) for s in shapes], models, tuning_ids, cfg.tuning_repeats,
+                       resume=resume, **common)
     measured = shape_measurements(result)
     tuning = save_tuned_shapes(out_dir / "shapes.json", measured, temperature=cfg.sampling.temperature,
                                prompts=cfg.tuning_prompts, n_prompts=len(tuning_ids),
@@ -189,6 +198,7 @@ def run(cfg: BenchConfig) -> int:
     from eagle_tree.bench.aggregate import method_rows
     from eagle_tree.bench.machine import conditions
     from eagle_tree.bench.runner import eagle_method, run_phase
+    from eagle_tree.bench.timing import Stopped
     from eagle_tree.data.tiny import build_tiny_assets
     from eagle_tree.utils.checks import InputError
     from eagle_tree.utils.outputs import check_output_dir, mark_output_dir
@@ -235,26 +245,34 @@ def run(cfg: BenchConfig) -> int:
     common = dict(max_new_tokens=cfg.max_new_tokens, sampling=cfg.sampling, seed=cfg.seed, warmup=cfg.warmup,
                   eos_token_id=models.tokenizer.eos_token_id if cfg.stop_at_eos else None,
                   log=print if cfg.verbose else None)
+    resume = _resume(cfg, models, out_dir)
+    try:
+        # 1. tuning: shapes measured on the tuning prompts, never on the test prompts
+        if shapes:
+            tuning, chosen = tune_shapes(cfg, models, tuning_ids, out_dir, resume=resume, **common)
+            if cfg.report_shapes == "selected":
+                shapes = list(dict.fromkeys(chosen[k].tree for k in ("chain", "tree", "no_context", "context")
+                                            if k in chosen))
+        resumed = {"tuning": resume.resumed}
 
-    # 1. tuning: shapes measured on the tuning prompts, never on the test prompts
-    if shapes:
-        tuning, chosen = tune_shapes(cfg, models, tuning_ids, out_dir, **common)
-        if cfg.report_shapes == "selected":
-            shapes = list(dict.fromkeys(chosen[k].tree for k in ("chain", "tree", "no_context", "context")
-                                        if k in chosen))
-
-    # 2. the comparison on the test prompts
-    methods = baseline_methods(cfg) + [eagle_method(s) for s in shapes]
-    source = "MT-bench" if cfg.mtbench.enabled else cfg.test_prompts
-    print(f"comparing {len(methods)} methods on {len(test_ids)} prompts x {cfg.repeats} ({source})")
-    result = run_phase("test", methods, models, test_ids, cfg.repeats, **common)
+        # 2. the comparison on the test prompts
+        methods = baseline_methods(cfg) + [eagle_method(s) for s in shapes]
+        source = "MT-bench" if cfg.mtbench.enabled else cfg.test_prompts
+        print(f"comparing {len(methods)} methods on {len(test_ids)} prompts x {cfg.repeats} ({source})")
+        result = run_phase("test", methods, models, test_ids, cfg.repeats, resume=resume, **common)
+        resumed["test"] = resume.resumed
+    except Stopped as stop:
+        print(f"stopped by max_minutes={cfg.max_minutes} after {stop.done} of {stop.blocks} blocks of this phase; "
+              f"they are in {resume.journal.path}: run the same command again to continue")
+        return STOPPED
     rows = method_rows(result, cfg.sampling)
     for row in rows:
         row["selected_as"] = sorted(k for k, m in chosen.items() if row["tree"] and m.name == row["method"])
 
     # 3. the report
     report = {"conditions": conditions(models, cfg.dtype), "config": config_to_dict(cfg), "tuning": tuning,
-              "methods": rows, "schedule": result.schedule, "notes": NOTES}
+              "methods": rows, "schedule": result.schedule, "notes": NOTES,
+              "sittings": {"count": len(resume.earlier_sittings) + 1, "blocks_read_back": resumed}}
     if cfg.mtbench.enabled:
         from eagle_tree.bench.mtbench import group_rows
 
@@ -268,6 +286,7 @@ def run(cfg: BenchConfig) -> int:
         table += "\n" + markdown_groups(report["groups"])
     (out_dir / "bench.md").write_text(table)
     plots = write_plots(rows, out_dir) if cfg.plots else []
+    resume.journal.remove()  # the run is complete: a rerun measures again
     print("\n" + table)
     with RunLogger(cfg.wandb, run_config=config_to_dict(cfg), job_type="bench") as logger:
         logger.summary({f"bench/{r['method']}/{k}": v for r in rows for k, v in r.items()
@@ -281,7 +300,32 @@ def run(cfg: BenchConfig) -> int:
 
 BENCH_KIND = "eagle-tree bench"
 BENCH_FILES = ("config.yaml", "bench.json", "bench.md", "shapes.json", "decoding.json", "survival.png",
-               "time_per_token.png", "mtbench_turn1.jsonl")
+               "time_per_token.png", "mtbench_turn1.jsonl", "bench_journal.jsonl")
+STOPPED = 3  # exit status of a run stopped by max_minutes
+
+
+def _resume(cfg: BenchConfig, models, out_dir: Path):
+    """The journal of this output folder (eagle_tree.bench.journal), with what else decides the figures."""
+    import time
+
+    import torch
+
+    from eagle_tree.bench.journal import JOURNAL_FILE, Journal, weights_fingerprint
+    from eagle_tree.bench.runner import Resume
+
+    journal = Journal(out_dir / JOURNAL_FILE)
+    if not cfg.resume:
+        journal.remove()
+    identity = {"target": weights_fingerprint(models.target.model), "head": weights_fingerprint(models.head),
+                "assistant": weights_fingerprint(models.assistant), "assistant_tokens": cfg.assistant_tokens,
+                "threads": torch.get_num_threads(), "device": cfg.device, "dtype": cfg.dtype,
+                "target_prepack": cfg.target_prepack}
+    deadline = None if cfg.max_minutes is None else time.monotonic() + 60 * cfg.max_minutes
+    sitting = journal.sittings()
+    if sitting:
+        print(f"{journal.path} holds an interrupted run: blocks of this same config are read back, not run "
+              "again (resume=false measures afresh)")
+    return Resume(journal, identity, sitting, stop=None if deadline is None else lambda: time.monotonic() > deadline)
 
 
 def _is_old_bench(path: Path) -> bool:
@@ -330,6 +374,12 @@ def markdown_report(report: dict) -> str:
              f"{c['cpu']} ({c['cpus_usable']} usable cores), {c['device']}, {c['dtype']}, torch {c['torch']} "
              f"({c['torch_threads']} threads), transformers {c['transformers']}; target "
              f"{c['target']['parameters']:,} parameters; peak memory: {c['memory_method']}", ""]
+    sittings = report.get("sittings", {})
+    if sittings.get("count", 1) > 1:
+        back = sittings["blocks_read_back"]
+        lines += [f"Measured in {sittings['count']} sittings (an interrupted run resumed from its journal; blocks "
+                  f"read back: tuning {back.get('tuning', 0)}, test {back.get('test', 0)}): each block's methods "
+                  "ran together, blocks of different sittings may have seen different machine states.", ""]
     if report["tuning"]:
         t = report["tuning"]
         lines += ["## Tuning (draft shape by lowest C / K)", "",
