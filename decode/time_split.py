@@ -3,7 +3,7 @@
 Usage: python decode/time_split.py [--target assets/reference/target] [--head assets/reference/head]
        [--prompts assets/reference/prompts/test.jsonl] [--limit 4] [--new-tokens 64] [--repeats 2]
        [--shapes plain chain-2 tree-d3k3n8] [--temperature 0.0] [--threads 2] [--compile] [--seed 0]
-       [--prepack off|on|both]
+       [--prepack off|on|both] [--head-int8 off|on|both]
 
 Decodes the same prompts with each shape and with Hugging Face ``generate`` (interleaved, after one
 warm-up call each) and prints one row per shape, side by side:
@@ -21,7 +21,8 @@ warm-up call each) and prints one row per shape, side by side:
 ``--prepack both`` runs every shape on a second copy of the target whose linear layers hold oneDNN-packed
 weights for forwards of several rows (eagle_tree.models.prepack; rows named ``SHAPE prepacked``), interleaved
 with the first, so the two kernels are compared under the same conditions; speed-ups stay against the
-first copy's plain decoding.
+first copy's plain decoding. ``--head-int8 both`` likewise runs every head shape a second time with an
+int8 copy of the head's lm_head (eagle_tree.models.quantize; rows named ``SHAPE int8``).
 
 EOS is ignored so every call produces ``--new-tokens`` tokens. At temperature 0 every shape is also
 checked to give plain decoding's tokens. The default run (4 prompts, 64 tokens, 2 repeats) takes about
@@ -72,6 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prepack", choices=["off", "on", "both"], default="off",
                    help="the target's linear layers with packed weights (eagle_tree.models.prepack)")
+    p.add_argument("--head-int8", choices=["off", "on", "both"], default="off",
+                   help="the head's lm_head with an int8 copy (eagle_tree.models.quantize)")
     return p.parse_args(argv)
 
 
@@ -108,13 +111,22 @@ def main(argv=None) -> None:
     decoders, trees = {}, {}
     for suffix in kernels:  # prepack= only when asked, so the script also runs on older checkouts
         target = TargetModel.from_pretrained(args.target, **({"prepack": True} if suffix else {}))
-        head = Eagle3DraftModel.from_pretrained(args.head, target=target)
-        for name, tree in shapes.items():
-            decoders[name + suffix] = SpeculativeDecoder(target, None if tree is None else head, tree=tree, **options)
-            trees[name + suffix] = tree
+        for int8 in {"off": [""], "on": [" int8"], "both": ["", " int8"]}[args.head_int8]:
+            head = Eagle3DraftModel.from_pretrained(args.head, target=target)
+            if int8:
+                from eagle_tree.models.quantize import quantize_lm_head
+
+                quantize_lm_head(head)
+            for name, tree in shapes.items():
+                if tree is None and int8 and args.head_int8 == "both":
+                    continue  # plain decoding has no head to quantize
+                decoders[name + suffix + int8] = SpeculativeDecoder(target, None if tree is None else head,
+                                                                    tree=tree, **options)
+                trees[name + suffix + int8] = tree
         if suffix == kernels[0]:
             first_target = target
-    target, plain_name = first_target, "plain" + kernels[0]
+    target = first_target
+    plain_name = "plain" + kernels[0] + (" int8" if args.head_int8 == "on" else "")
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     with open(args.prompts) as f:
         texts = [json.loads(line)["prompt"] for line in f if line.strip()][: args.limit]

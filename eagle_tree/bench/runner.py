@@ -248,7 +248,7 @@ def run_phase(
 
 def load_bench_models(target: str, head: str | None, methods, dtype: str, device: str = "cpu",
                       assistant: str | None = None, assistant_tokens: int | None = None,
-                      prepack: bool = False) -> BenchModels:
+                      prepack: bool = False, head_int8: bool = False) -> BenchModels:
     """BenchModels: the target and head through the decoders' loader (``load_decoder``), plus the
     assistant model when ``methods`` hold hf_assisted; moved to ``device``."""
     from eagle_tree.decoding.loading import load_decoder
@@ -262,7 +262,8 @@ def load_bench_models(target: str, head: str | None, methods, dtype: str, device
             raise InputError("method hf_assisted needs an assistant model: set assistant=PATH or drop it")
         check_target_path(assistant, "assistant")
     head = head if wants_head else None
-    decoder, tokenizer = load_decoder(target, head, "tree" if head else "plain", dtype, TreeConfig(), prepack=prepack)
+    decoder, tokenizer = load_decoder(target, head, "tree" if head else "plain", dtype, TreeConfig(), prepack=prepack,
+                                      head_int8=head_int8)
     model, draft = decoder.target, decoder.draft
     helper = None
     if "hf_assisted" in methods:

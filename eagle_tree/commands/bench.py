@@ -128,7 +128,7 @@ def load_bench_models(cfg: BenchConfig):
     from eagle_tree.bench.runner import load_bench_models as load
 
     return load(cfg.target, cfg.head, cfg.methods, cfg.dtype, cfg.device, cfg.assistant, cfg.assistant_tokens,
-                prepack=cfg.target_prepack)
+                prepack=cfg.target_prepack, head_int8=cfg.head_int8)
 
 
 def baseline_methods(cfg: BenchConfig):
@@ -319,7 +319,7 @@ def _resume(cfg: BenchConfig, models, out_dir: Path):
     identity = {"target": weights_fingerprint(models.target.model), "head": weights_fingerprint(models.head),
                 "assistant": weights_fingerprint(models.assistant), "assistant_tokens": cfg.assistant_tokens,
                 "threads": torch.get_num_threads(), "device": cfg.device, "dtype": cfg.dtype,
-                "target_prepack": cfg.target_prepack}
+                "target_prepack": cfg.target_prepack, "head_int8": cfg.head_int8}
     deadline = None if cfg.max_minutes is None else time.monotonic() + 60 * cfg.max_minutes
     sitting = journal.sittings()
     if sitting:

@@ -60,6 +60,8 @@ class ServingBenchConfig:
     target_prepack: bool = False
     """CPU, float32: give the target's linear layers a oneDNN-packed weight for forwards of several rows
     (verification, batched steps, prefill), at twice the weights' memory (eagle_tree.models.prepack)."""
+    head_int8: bool = False
+    """CPU: the head drafts with a per-row int8 copy of its lm_head (eagle_tree.models.quantize)."""
     sampling: CommandSampling = field(default_factory=CommandSampling)
     """temperature (0 = greedy), top_k (0 = off), top_p (1.0 = off); the same for every method."""
     seed: int = 0
@@ -243,7 +245,7 @@ def load_models(cfg: ServingBenchConfig):
     return load_bench_models(BenchConfig(target=cfg.target, head=cfg.head if cfg.needs_head else None,
                                          assistant=None, device=cfg.device, dtype=cfg.dtype,
                                          methods=["plain", "chain"] if cfg.needs_head else ["plain"],
-                                         target_prepack=cfg.target_prepack))
+                                         target_prepack=cfg.target_prepack, head_int8=cfg.head_int8))
 
 
 def run(cfg: ServingBenchConfig) -> int:

@@ -21,11 +21,12 @@ def check_head_path(head: str) -> None:
 
 
 def load_decoder(target: str, head: str | None, mode: str, dtype: str, tree: TreeConfig,
-                 shapes: str | None = None, prepack: bool = False):
+                 shapes: str | None = None, prepack: bool = False, head_int8: bool = False):
     """(SpeculativeDecoder, tokenizer). ``mode``: "plain" (no head), "tree" / "chain" (``tree``), "auto"
     (the shape a bench tuning file ``shapes`` selected) or "default" (the head folder's decoding.json).
     The target path, the head path and the head's weights are checked first. ``prepack``: the target's
-    linear layers get packed weights for forwards of several rows (eagle_tree.models.prepack)."""
+    linear layers get packed weights for forwards of several rows (eagle_tree.models.prepack). ``head_int8``:
+    the head drafts with an int8 copy of its lm_head (eagle_tree.models.quantize)."""
     from eagle_tree.models.gguf import load_tokenizer
     from eagle_tree.models.head import Eagle3DraftModel
     from eagle_tree.models.target import TargetModel
@@ -51,6 +52,13 @@ def load_decoder(target: str, head: str | None, mode: str, dtype: str, tree: Tre
         model = TargetModel.from_pretrained(target, dtype=dtype, feature_layers=layers, prepack=prepack)
         draft = Eagle3DraftModel.from_pretrained(head, target=model, dtype=dtype)
         check_finite_weights(draft, f"the head in {head}")
+        if head_int8:
+            from eagle_tree.models.quantize import quantize_lm_head
+
+            try:
+                quantize_lm_head(draft)
+            except RuntimeError as exc:
+                raise InputError(f"the head in {head}: {exc}") from exc
     else:
         model = TargetModel.from_pretrained(target, dtype=dtype, prepack=prepack)
     if mode == "auto":
