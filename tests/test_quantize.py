@@ -25,12 +25,13 @@ from tests.test_decoder_exactness import (
     _sampling_head,
     _sampling_target,
 )
+from tests.test_prepack import _models, _reference
 
 
 def _head(reduced: bool):
     """A copy of the exactness suite's cached head, so quantizing it leaves the suite's own untouched."""
     return copy.deepcopy(_sampling_head(reduced))
-from tests.test_prepack import _models, _reference
+
 
 pytestmark = pytest.mark.skipif(not int8_available(), reason="this torch build has no quantized linear kernels")
 
