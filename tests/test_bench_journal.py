@@ -65,14 +65,15 @@ def test_journal_round_trip_other_keys_and_a_torn_line(tmp_path):
     with open(journal.path, "a") as f:
         f.write('{"key": "k1", "block": 0, "calls": {"m": {"seconds"')  # a kill in the middle of a line
     journal.append("k1", 3, {"m": Timed("m", 3, _output(prompts[1], [7]), 0.2, 0)}, sitting=1)
-    done = journal.load("k1", prompts, ["m"])
-    assert sorted(done) == [1, 3]  # k2's line and the torn line are skipped; the line after the tear is read
+    done, sittings = journal.load("k1", prompts, ["m"])
+    # k2's line and the torn line are skipped; the line after the tear is read
+    assert sorted(done) == [1, 3] and sittings == {0, 1}
     back, original = done[1]["m"], calls["m"]
     assert (back.seconds, back.peak_bytes, back.block) == (0.42, 123, 1)
     assert torch.equal(back.value.sequences, original.value.sequences)
     assert back.value.rounds == original.value.rounds and back.value.token_times == original.value.token_times
     assert (back.value.prefill_s, back.value.total_s, back.value.stopped_by) == (0.1, 0.4, "eos")
-    assert journal.load("k1", prompts, ["m", "other"]) == {}  # another method list is another phase
+    assert journal.load("k1", prompts, ["m", "other"]) == ({}, set())  # another method list is another phase
     assert journal.sittings() == 2
 
 

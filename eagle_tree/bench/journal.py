@@ -75,13 +75,15 @@ class Journal:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
 
-    def load(self, key: str, prompts, methods: list[str]) -> dict[int, dict[str, Timed[GenerateOutput]]]:
-        """The blocks recorded under ``key`` (block -> method -> call); ``prompts[block % len(prompts)]``
-        rebuilds each sequence. Lines of other keys, torn lines and incomplete blocks are skipped."""
+    def load(self, key: str, prompts, methods: list[str]) -> tuple[dict[int, dict[str, Timed[GenerateOutput]]],
+                                                                   set[int]]:
+        """The blocks recorded under ``key`` (block -> method -> call) and the sittings they came from;
+        ``prompts[block % len(prompts)]`` rebuilds each sequence. Lines of other keys, torn lines and
+        incomplete blocks are skipped."""
         done: dict[int, dict[str, Timed[GenerateOutput]]] = {}
-        self.loaded_sittings: set[int] = set()
+        sittings: set[int] = set()
         if not self.path.is_file():
-            return done
+            return done, sittings
         n = len(prompts)
         for line in self.path.read_text(encoding="utf-8").splitlines():
             try:
@@ -90,10 +92,10 @@ class Journal:
                     continue
                 b = int(row["block"])
                 done[b] = {m: _decode(m, b, c, prompts[b % n]) for m, c in row["calls"].items()}
-                self.loaded_sittings.add(int(row.get("sitting", 0)))
+                sittings.add(int(row.get("sitting", 0)))
             except (ValueError, KeyError, TypeError, IndexError):
                 continue  # a line cut short by a kill, or not ours
-        return done
+        return done, sittings
 
     def append(self, key: str, block: int, calls: Mapping[str, Timed[GenerateOutput]], sitting: int) -> None:
         """Add one finished block (flushed and synced before returning)."""

@@ -14,7 +14,6 @@ and per turn (eagle_tree.commands.bench).
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,12 +127,10 @@ def render(tokenizer, messages: list[dict]) -> str:
 
 
 def _turn1_key(target, max_new_tokens: int, eos_token_id: int | None) -> str:
-    config = json.dumps(target.config.to_dict(), sort_keys=True, default=str)
-    h = hashlib.sha256(config.encode())
-    h.update(json.dumps([max_new_tokens, eos_token_id, str(target.dtype)]).encode())
-    first = next(iter(target.model.parameters()))
-    h.update(first.detach().float().flatten()[:4096].cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
+    from eagle_tree.bench.journal import phase_key, weights_fingerprint
+
+    return phase_key(config=target.config.to_dict(), weights=weights_fingerprint(target.model),
+                     max_new_tokens=max_new_tokens, eos=eos_token_id, dtype=str(target.dtype))[:16]
 
 
 def turn1_answers(target, tokenizer, questions: list[Question], out_dir: Path, max_new_tokens: int,

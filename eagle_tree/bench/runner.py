@@ -221,10 +221,10 @@ def run_phase(
         key = phase_key(phase=phase, methods=[method_identity(m, models) for m in methods],
                         prompts=digest.hexdigest(), repeats=repeats, max_new_tokens=max_new_tokens,
                         sampling=repr(sampling), seed=seed, eos=eos_token_id, identity=resume.identity)
-        done = resume.journal.load(key, prompts, [m.name for m in methods])
+        done, sittings = resume.journal.load(key, prompts, [m.name for m in methods])
         done = {b: calls for b, calls in done.items() if b < repeats * n}
         resume.resumed = len(done)
-        resume.earlier_sittings |= resume.journal.loaded_sittings if done else set()
+        resume.earlier_sittings |= sittings if done else set()
         journal = dict(done=done, stop=resume.stop,
                        on_block=lambda b, calls: resume.journal.append(key, b, calls, resume.sitting))
         if done:
