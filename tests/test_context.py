@@ -195,6 +195,34 @@ def test_greedy_with_context_equals_plain_greedy(shape):
     assert dec.drafter.context_s > 0
 
 
+def test_a_context_only_shape_ignores_the_head_it_is_given(tmp_path):
+    """TreeConfig.context_only: the decoder holds a head but drafts with the context branches alone, the
+    same tokens and rounds as a decoder without a head; and as a head folder's decoding.json default
+    (what the bench's tuning writes when context alone wins) it is what SpeculativeDecoder(target, head)
+    decodes with. Control: the same context with the head's drafts gives other rounds."""
+    from eagle_tree.decoding.shapes import save_decoding_defaults
+    from eagle_tree.models.head import Eagle3DraftModel
+
+    ctx = ContextConfig(lookup_tokens=4)
+    prompt, n = torch.tensor([PROMPT]), len(_reference("llama")) - len(PROMPT)
+    alone = SpeculativeDecoder(_target("llama"), tree=TreeConfig(context=ctx)).generate(prompt, max_new_tokens=n)
+    dec = SpeculativeDecoder(_target("llama"), _head("llama"), tree=TreeConfig.context_only(ctx))
+    assert isinstance(dec.drafter, ContextDrafter) and dec.drafter.inner is None
+    out = dec.generate(prompt, max_new_tokens=n)
+    assert out.sequences[0].tolist() == _reference("llama") == alone.sequences[0].tolist()
+    assert [r.tree_size for r in out.rounds] == [r.tree_size for r in alone.rounds]
+    with_head = SpeculativeDecoder(_target("llama"), _head("llama"), tree=TreeConfig(depth=3, top_k=1, total_tokens=3,
+                                                                                      context=ctx))
+    drafted = with_head.generate(prompt, max_new_tokens=n)
+    assert [r.tree_size for r in drafted.rounds] != [r.tree_size for r in out.rounds]
+    _head("llama").save_pretrained(tmp_path / "head")
+    save_decoding_defaults(tmp_path / "head", TreeConfig.context_only(ctx), greedy=True, by="test")
+    default = SpeculativeDecoder(_target("llama"), Eagle3DraftModel.from_pretrained(tmp_path / "head",
+                                                                                     target=_target("llama")))
+    assert default.tree == TreeConfig.context_only(ctx) and default.drafter.inner is None
+    assert default.generate(prompt, max_new_tokens=n).sequences[0].tolist() == _reference("llama")
+
+
 def test_context_only_commits_copied_tokens():
     """A prompt-lookup decoder in the same loop: over 150 greedy tokens of a tiny target, copied
     continuations are accepted (several tokens in a round) and the output is plain greedy's."""

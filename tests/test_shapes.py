@@ -121,3 +121,37 @@ def test_tuning_file_round_trip(tmp_path):
     (tmp_path / "other.json").write_text(json.dumps({"format": "something else"}))
     with pytest.raises(ValueError, match="not an eagle-tree shapes file"):
         load_tuned_shape(tmp_path / "other.json")
+
+
+def test_context_only_shapes_have_one_spelling_and_need_a_context():
+    ctx = ContextConfig(lookup_tokens=8)
+    only = TreeConfig.context_only(ctx)
+    assert only.name == "ctx8" and TreeConfig.from_name("ctx8") == only
+    assert TreeConfig(depth=5, top_k=4, total_tokens=16, context=ctx, head=False) == only  # one shape
+    assert not only.is_chain and (only.depth, only.top_k, only.total_tokens, only.sampled) == (1, 1, 1, False)
+    assert TreeConfig(**{**only.__dict__}) == only  # read back from decoding.json's mapping
+    with pytest.raises(ValueError, match="give it a context"):
+        TreeConfig(head=False)
+    with pytest.raises(ValueError, match="not a context setting"):
+        TreeConfig.from_name("ctx8+ctx8")
+
+
+def test_context_only_is_a_candidate_and_can_be_selected(tmp_path):
+    """With context settings and context_only=True the bench's tuning also measures each setting alone,
+    so the head's drafts must beat the context branches without them; chain / tree / context keep
+    naming the best head shapes."""
+    ctx = ContextConfig(lookup_tokens=8)
+    shapes = candidate_shapes([4], [], [ctx], context_only=True)
+    assert [s.name for s in shapes] == ["chain-4", "chain-4+ctx8", "ctx8"]
+    assert "ctx8" not in {s.name for s in candidate_shapes([4], [], [ctx])}  # off unless asked
+    chain, with_ctx, only = shapes
+    measured = [_m(chain, 0.118, 1.39), _m(with_ctx, 0.140, 2.25), _m(only, 0.100, 1.84)]  # C/K 85, 62, 54 ms
+    data = save_tuned_shapes(tmp_path / "shapes.json", measured, temperature=0.0)
+    assert data["selected"] == {"best": "ctx8", "chain": "chain-4+ctx8", "no_context": "chain-4",
+                                "context": "chain-4+ctx8", "context_only": "ctx8"}
+    chosen = selection(measured)
+    assert chosen["best"].name == "ctx8" and chosen["context_only"].name == "ctx8"
+    assert chosen["chain"].name == "chain-4+ctx8" and chosen["context"].name == "chain-4+ctx8"
+    assert chosen["no_context"].name == "chain-4" and "tree" not in chosen
+    assert load_tuned_shape(tmp_path / "shapes.json") == TreeConfig.context_only(ctx)
+    assert all(s["small"] != "ctx8" and s["large"] != "ctx8" for seq in data["marginal"].values() for s in seq)

@@ -56,8 +56,8 @@ class Method:
         if self.kind == "eagle":
             if self.tree is None:
                 return "head defaults (decoding.json)" if self.head else "no draft"
-            if not self.head:
-                return "context only, " + self.tree.name.split("+", 1)[1]
+            if not self.head or not self.tree.head:
+                return "context only, " + self.tree.context.name
             return self.tree.name
         if self.assistant:
             return "assistant model"
@@ -76,7 +76,8 @@ def context_only_method(tree: TreeConfig) -> Method:
     """Context branches without a head: a prompt-lookup decoder in eagle-tree's loop."""
     if tree.context is None:
         raise ValueError("a context-only method needs TreeConfig(context=ContextConfig(...))")
-    return Method(f"context-only-{tree.name.split('+', 1)[1]}", "eagle", tree=tree, use_head=False)
+    return Method(f"context-only-{tree.context.name}", "eagle", tree=TreeConfig.context_only(tree.context),
+                  use_head=False)
 
 
 HEAD_DEFAULTS = Method("head_defaults", "eagle", use_head=True)

@@ -45,10 +45,14 @@ SERVING_CANDIDATES = ("none", "chain-1", "chain-2", "chain-3", "tree-d2k2n4", "t
 
 
 def candidate_shapes(chain_lengths: Iterable[int], trees: Iterable[TreeConfig],
-                     contexts: Iterable[ContextConfig] = ()) -> list[TreeConfig]:
-    """Chains of ``chain_lengths`` and ``trees``, each without context and with every ``contexts`` entry."""
+                     contexts: Iterable[ContextConfig] = (), context_only: bool = False) -> list[TreeConfig]:
+    """Chains of ``chain_lengths`` and ``trees``, each without context and with every ``contexts`` entry;
+    with ``context_only``, every ``contexts`` entry alone too (``ctx8``: no head), so the head's drafts
+    must beat the context branches without them to be chosen."""
     shapes = [TreeConfig.chain(n, sampled=False) for n in chain_lengths] + list(trees)
     shapes += [replace(s, context=c) for c in contexts for s in shapes if s.context is None]
+    if context_only:
+        shapes += [TreeConfig.context_only(c) for c in contexts]
     return list(dict.fromkeys(shapes))
 
 
@@ -162,14 +166,16 @@ def growth_order(measurements: Sequence[ShapeMeasurement]) -> list[ShapeMeasurem
 
 def selection(measurements: Sequence[ShapeMeasurement]) -> dict[str, ShapeMeasurement]:
     """The best chain, the best tree and the best of all; when context settings were measured, also
-    the best shape without context (``no_context``) and with it (``context``). Keys present only when
-    measured."""
+    the best head shape without context (``no_context``), with it (``context``) and the best context-only
+    shape (``context_only``, no head). Keys present only when measured."""
     chosen = {"best": pick_best(measurements)}
+    drafted = [m for m in measurements if m.tree.head]
     groups = {
-        "chain": [m for m in measurements if m.tree.is_chain],
-        "tree": [m for m in measurements if not m.tree.is_chain],
-        "no_context": [m for m in measurements if m.tree.context is None],
-        "context": [m for m in measurements if m.tree.context is not None],
+        "chain": [m for m in drafted if m.tree.is_chain],
+        "tree": [m for m in drafted if not m.tree.is_chain],
+        "no_context": [m for m in drafted if m.tree.context is None],
+        "context": [m for m in drafted if m.tree.context is not None],
+        "context_only": [m for m in measurements if not m.tree.head],
     }
     if not groups["context"]:
         del groups["no_context"]
@@ -183,6 +189,8 @@ def _growth_sequences(measurements: Sequence[ShapeMeasurement]) -> dict[str, lis
     """Chains and trees, each context setting apart: ``chain``, ``tree``, ``chain+ctx8``, ..."""
     sequences: dict[str, list[ShapeMeasurement]] = {"chain": [], "tree": []}
     for m in measurements:
+        if not m.tree.head:
+            continue  # context alone: nothing to grow
         kind = "chain" if m.tree.is_chain else "tree"
         if m.tree.context is not None:
             kind += f"+{m.tree.context.name}"

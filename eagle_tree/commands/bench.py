@@ -152,8 +152,9 @@ def candidate_shapes(cfg: BenchConfig) -> list[TreeConfig]:
     """The tuning candidates of the config (``eagle_tree.bench.tuning.candidate_shapes``)."""
     from eagle_tree.bench.tuning import candidate_shapes as candidates
 
+    head_shapes = "chain" in cfg.methods or "tree" in cfg.methods
     return candidates(cfg.chain_lengths if "chain" in cfg.methods else [], cfg.trees if "tree" in cfg.methods else [],
-                      cfg.contexts)
+                      cfg.contexts, context_only=head_shapes and "context" in cfg.methods)
 
 
 def _decoding_folders(cfg: BenchConfig, out_dir: Path) -> list[Path]:
@@ -253,6 +254,8 @@ def run(cfg: BenchConfig) -> int:
             if cfg.report_shapes == "selected":
                 shapes = list(dict.fromkeys(chosen[k].tree for k in ("chain", "tree", "no_context", "context")
                                             if k in chosen))
+        # a context-only shape is compared as the `context` method (context-only-ctxN), not twice
+        shapes = [s for s in shapes if s.head] if "context" in cfg.methods else shapes
         resumed = {"tuning": resume.resumed}
 
         # 2. the comparison on the test prompts

@@ -107,8 +107,8 @@ class SpeculativeDecoder:
 
     def _new_drafter(self, tree: TreeConfig) -> RoundDrafter | None:
         """A fresh drafter of ``tree``'s shape: the head's, with context branches if configured, or
-        context branches alone; None without either (plain decoding)."""
-        drafter = None if self.draft is None else Drafter(self.draft, tree)
+        context branches alone (no head, or a context-only shape); None without either (plain decoding)."""
+        drafter = None if self.draft is None or not tree.head else Drafter(self.draft, tree)
         if tree.context is not None:  # context branches; no head: context only
             drafter = ContextDrafter(drafter, tree.context)
         return drafter

@@ -45,17 +45,29 @@ class TreeConfig:
     """Shape of the draft. depth: levels below the root; top_k: children per expanded node and
     nodes expanded per level; total_tokens: nodes kept after the global rerank; sampled: draw
     children (Gumbel-top-k) instead of taking the top-k; context: branches copied from the committed
-    text, merged into the tree (None: off; their nodes count beside total_tokens, see context.py)."""
+    text, merged into the tree (None: off; their nodes count beside total_tokens, see context.py);
+    head: draft with the head (False: the context branches alone, prompt lookup in eagle-tree's loop, a
+    shape the bench's tuning can choose when the head's drafts do not pay; depth, top_k, total_tokens
+    and sampled are then unused and set to 1, 1, 1 and False, so every such shape has one spelling)."""
 
     depth: int = 6
     top_k: int = 8
     total_tokens: int = 48
     sampled: bool = False
     context: ContextConfig | None = None
+    head: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.context, dict):  # from a JSON or YAML mapping
             object.__setattr__(self, "context", ContextConfig(**self.context))
+        if not isinstance(self.head, bool):
+            raise ValueError(f"TreeConfig.head must be true or false, got {self.head!r}")
+        if not self.head:
+            if self.context is None:
+                raise ValueError("TreeConfig(head=False) drafts with context branches alone: give it a context "
+                                 "(e.g. context={'lookup_tokens': 8})")
+            for name, value in (("depth", 1), ("top_k", 1), ("total_tokens", 1), ("sampled", False)):
+                object.__setattr__(self, name, value)
         for name in ("depth", "top_k", "total_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -67,6 +79,11 @@ class TreeConfig:
             )
 
     @classmethod
+    def context_only(cls, context: ContextConfig) -> TreeConfig:
+        """Context branches without the head's drafts (named like the context setting: ``ctx8``)."""
+        return cls(context=context, head=False)
+
+    @classmethod
     def chain(cls, length: int, sampled: bool = False) -> TreeConfig:
         """A chain of ``length`` draft tokens: the tree with one child per node."""
         return cls(depth=length, top_k=1, total_tokens=length, sampled=sampled)
@@ -75,7 +92,10 @@ class TreeConfig:
     def name(self) -> str:
         """The one spelling of this shape, read back by :meth:`from_name`: ``chain-4`` or
         ``tree-d6k8n48``, ``-sampled`` appended for Gumbel-top-k draws, ``+`` and the context's name
-        (``+ctx8``, ``+ctx8x2-g2to4``, ...) for context branches."""
+        (``+ctx8``, ``+ctx8x2-g2to4``, ...) for context branches; a context-only shape is the context's
+        name alone (``ctx8``)."""
+        if not self.head:
+            return self.context.name
         name = f"chain-{self.depth}" if self.is_chain else f"tree-d{self.depth}k{self.top_k}n{self.total_tokens}"
         name += "-sampled" if self.sampled else ""
         return name + (f"+{self.context.name}" if self.context is not None else "")
@@ -87,7 +107,12 @@ class TreeConfig:
         shape, _, context = name.partition("+")
         match = _NAME.match(shape)
         tree = None
-        if match:
+        if name.startswith("ctx"):  # context only
+            try:
+                tree = cls.context_only(ContextConfig.from_name(name))
+            except ValueError as exc:
+                raise ValueError(f"shape {name!r}: {exc}") from exc
+        elif match:
             try:
                 ctx = ContextConfig.from_name(context) if context else None
                 if match["chain"]:
@@ -101,12 +126,14 @@ class TreeConfig:
         if tree is None or tree.name != name:
             raise ValueError(f"{name!r} is not a draft shape: expected 'chain-N' or 'tree-dDEPTHkTOPKnTOTAL' (e.g. "
                              "chain-4, tree-d4k4n16), optionally with '-sampled' and '+' and a context setting "
-                             "('ctxN', 'ctxNxBRANCHES', '-gLOWtoHIGH', '-headfirst')")
+                             "('ctxN', 'ctxNxBRANCHES', '-gLOWtoHIGH', '-headfirst'), or a context setting alone "
+                             "(ctx8: context branches without the head)")
         return tree
 
     @property
     def is_chain(self) -> bool:
-        return self.top_k == 1
+        """One child per node (a head-drafted chain; False for context-only shapes)."""
+        return self.head and self.top_k == 1
 
     def rule(self, sampling: SamplingConfig) -> VerifyRule:
         """The verification rule that is exact for drafts of this shape under ``sampling``."""

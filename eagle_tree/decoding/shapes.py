@@ -25,7 +25,8 @@ DECODING_FILE = "decoding.json"
 
 
 def load_tuned_shape(path: str | Path,
-                     which: Literal["best", "chain", "tree", "context", "no_context"] = "best") -> TreeConfig:
+                     which: Literal["best", "chain", "tree", "context", "no_context", "context_only"] = "best"
+                     ) -> TreeConfig:
     """The draft shape selected in a tuning file written by :func:`save_tuned_shapes` (``eagle-tree bench``)."""
     path = Path(path)
     if not path.is_file():
