@@ -223,6 +223,30 @@ def test_a_context_only_shape_ignores_the_head_it_is_given(tmp_path):
     assert default.generate(prompt, max_new_tokens=n).sequences[0].tolist() == _reference("llama")
 
 
+def test_alone_ngram_leaves_the_head_out_of_matched_rounds_and_keeps_greedy_output():
+    """ctx4-alone2: rounds whose suffix matched 2 tokens or more propose the branches alone (the head is
+    not run), the others the head's chain with branches; greedy output stays plain greedy's. Control:
+    without alone_ngram every round runs the head."""
+    ctx = ContextConfig(lookup_tokens=4, alone_ngram=2)
+    assert ctx.name == "ctx4-alone2" and ContextConfig.from_name("ctx4-alone2") == ctx
+    assert ContextConfig.from_name("ctx8-g2to4-alone3-headfirst").alone_ngram == 3
+    with pytest.raises(ValueError, match="alone_ngram"):
+        ContextConfig(alone_ngram=0)
+    ref = _reference("qwen3", 150)
+    prompt = torch.tensor([PROMPT])
+    rounds = {}
+    for alone in (2, None):
+        cfg = ContextConfig(lookup_tokens=4, alone_ngram=alone)
+        dec = SpeculativeDecoder(_target("qwen3"), _head("qwen3"), tree=TreeConfig(depth=3, top_k=1, total_tokens=3,
+                                                                                    context=cfg))
+        out = dec.generate(prompt, max_new_tokens=150)
+        assert out.sequences[0].tolist() == ref
+        rounds[alone] = (dec.drafter.alone_rounds, len(out.rounds))
+    alone_rounds, total = rounds[2]
+    assert 0 < alone_rounds < total  # both kinds of round happened
+    assert rounds[None][0] == 0
+
+
 def test_context_only_commits_copied_tokens():
     """A prompt-lookup decoder in the same loop: over 150 greedy tokens of a tiny target, copied
     continuations are accepted (several tokens in a round) and the output is plain greedy's."""
@@ -278,22 +302,36 @@ class _Favourite:
         return [[top, (top + 1) % SV][:lookup_tokens]]
 
 
+class _ParityFavourite(_Favourite):
+    """The favourite's branch, reported as a 2-token match when the last committed token is even and as
+    no match otherwise: a choice of alone rounds that reads only committed tokens, about half the time."""
+
+    def continuations(self, lookup_tokens: int, branches: int = 1) -> list[list[int]]:
+        last = self.head.committed[-1]
+        self.matched = 2 if last % 2 == 0 else 0
+        return super().continuations(lookup_tokens, branches)
+
+
 class _ContextDrafter(ContextDrafter):
     """The real wrapper, with a known-wrong variant of the merged tree for the negative controls:
     ``wrong="context_as_q"`` gives the verifier no point-mass flags (every child verified as drawn
     from q) and no phantoms; ``wrong="drop_phantoms"`` keeps the flags and drops the phantoms."""
 
     def __init__(self, inner, config, favourite: bool = False, wrong: str | None = None):
-        self.favourite, self.wrong, self.phantoms = favourite, wrong, 0
+        self.favourite, self.wrong, self.phantoms, self.alone_total = favourite, wrong, 0, 0
         super().__init__(inner, config)
 
     def reset(self, requests: int = 1) -> None:
         super().reset(requests)
-        if self.favourite:
+        if self.favourite == "parity":
+            self.indexes = [_ParityFavourite(self.inner.inner)]
+        elif self.favourite:
             self.indexes = [_Favourite(self.inner.inner)]
 
     def propose(self, sampling, generators) -> list[Proposal]:
+        before = self.alone_rounds
         (prop,) = super().propose(sampling, generators)
+        self.alone_total += self.alone_rounds - before  # over every run (reset() zeroes alone_rounds)
         t = prop.tree
         self.phantoms += len(t.phantoms)
         if self.wrong is not None:
@@ -303,9 +341,9 @@ class _ContextDrafter(ContextDrafter):
 
 
 def _context_decoder(favourite: bool = False, wrong: str | None = None, width=(3, 2), lookup: int = 2,
-                     first: str = "context"):
+                     first: str = "context", alone: int | None = None):
     head = PerturbedDrafter("without_replacement", width, prompt=CPROMPT)
-    config = ContextConfig(lookup_tokens=lookup, first=first)
+    config = ContextConfig(lookup_tokens=lookup, first=first, alone_ngram=alone)
     drafter = _ContextDrafter(OneSequence(head), config, favourite=favourite, wrong=wrong)
     return SpeculativeDecoder(_sampling_target(), drafter=drafter)
 
@@ -322,6 +360,20 @@ def test_sampled_output_with_context_follows_the_target_law(favourite, first):
     assert sum(a >= 2 for a in accepted) > 0.03 * N_SEEDS
     if first == "context":
         assert dec.drafter.phantoms > (0.3 * N_SEEDS if favourite else 0)
+
+
+@pytest.mark.slow
+def test_sampled_output_with_alone_rounds_follows_the_target_law():
+    """alone_ngram=2 with an index that reports a 2-token match after an even committed token: those
+    rounds draft the favourite's branch alone, the others the head's sampled tree with it; the mixture
+    keeps the target's law at depth 1 and 2."""
+    dec = _context_decoder(favourite="parity", alone=2)
+    c12, c23, accepted = _draw(dec, T1, depth2=True, prompt=CPROMPT)
+    joint12, joint23 = _exact_laws(T1, CPROMPT)
+    assert _chi2_pvalue(c12, joint12) > ALPHA
+    assert _chi2_pvalue(c23, joint23) > ALPHA
+    assert sum(a >= 1 for a in accepted) > 0.05 * N_SEEDS
+    assert 0.2 * N_SEEDS < dec.drafter.alone_total  # rounds really left the head out
 
 
 @pytest.mark.slow

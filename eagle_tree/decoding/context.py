@@ -38,20 +38,25 @@ from eagle_tree.core.tree import ROOT, Tree
 from eagle_tree.core.verify import Proposal, VerifyRule
 
 _NAME = re.compile(r"^ctx(?P<lookup>\d+)(?:x(?P<branches>\d+))?(?:-g(?P<low>\d+)to(?P<high>\d+))?"
-                   r"(?P<headfirst>-headfirst)?$")
+                   r"(?:-alone(?P<alone>\d+))?(?P<headfirst>-headfirst)?$")
 
 
 @dataclass(frozen=True)
 class ContextConfig:
     """Context branches. lookup_tokens: tokens copied per branch; max_ngram / min_ngram: lengths of
     the matched suffix, tried longest first; branches: distinct continuations proposed; first: whose
-    children are checked first at a node both proposers extend ("context" or "head")."""
+    children are checked first at a node both proposers extend ("context" or "head"); alone_ngram: when
+    the matched suffix is at least this long, the round proposes the context branches alone and the
+    head drafts nothing (its cache still takes the committed tokens): a long match is likely copied
+    text, where the head's drafts add verify rows and draft time for little (None: the head always
+    drafts). The choice reads only committed tokens, so the output's distribution is unchanged."""
 
     lookup_tokens: int = 8
     max_ngram: int = 4
     min_ngram: int = 1
     branches: int = 1
     first: Literal["context", "head"] = "context"
+    alone_ngram: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("lookup_tokens", "max_ngram", "min_ngram", "branches"):
@@ -60,18 +65,23 @@ class ContextConfig:
                 raise ValueError(f"ContextConfig.{name} must be an integer >= 1, got {value!r}")
         if self.min_ngram > self.max_ngram:
             raise ValueError(f"ContextConfig.min_ngram ({self.min_ngram}) must be <= max_ngram ({self.max_ngram})")
+        a = self.alone_ngram
+        if a is not None and (isinstance(a, bool) or not isinstance(a, int) or a < 1):
+            raise ValueError(f"ContextConfig.alone_ngram must be an integer >= 1 or null, got {a!r}")
         if self.first not in ("context", "head"):
             raise ValueError(f"ContextConfig.first must be 'context' or 'head', got {self.first!r}")
 
     @property
     def name(self) -> str:
         """The one spelling of these settings, read back by :meth:`from_name`: ``ctx8`` (8 tokens
-        copied), ``ctx8x2`` (2 branches), then ``-g2to4`` for n-gram lengths other than the default 1..4
-        and ``-headfirst`` when the head's children are checked first."""
+        copied), ``ctx8x2`` (2 branches), then ``-g2to4`` for n-gram lengths other than the default
+        1..4, ``-alone3`` when a match of 3 tokens or more leaves the head out of the round, and
+        ``-headfirst`` when the head's children are checked first."""
         default = ContextConfig()
         name = f"ctx{self.lookup_tokens}" + (f"x{self.branches}" if self.branches > 1 else "")
         if (self.min_ngram, self.max_ngram) != (default.min_ngram, default.max_ngram):
             name += f"-g{self.min_ngram}to{self.max_ngram}"
+        name += f"-alone{self.alone_ngram}" if self.alone_ngram is not None else ""
         return name + ("-headfirst" if self.first == "head" else "")
 
     @classmethod
@@ -84,10 +94,12 @@ class ContextConfig:
             config = cls(lookup_tokens=int(match["lookup"]), branches=int(match["branches"] or 1),
                          min_ngram=int(match["low"] or default.min_ngram),
                          max_ngram=int(match["high"] or default.max_ngram),
-                         first="head" if match["headfirst"] else "context")
+                         first="head" if match["headfirst"] else "context",
+                         alone_ngram=int(match["alone"]) if match["alone"] else None)
         if config is None or config.name != name:
             raise ValueError(f"{name!r} is not a context setting: expected 'ctxN', optionally 'xBRANCHES', "
-                             "'-gLOWtoHIGH' (n-gram lengths other than 1 to 4) and '-headfirst' (e.g. ctx8x2-g2to4)")
+                             "'-gLOWtoHIGH' (n-gram lengths other than 1 to 4), '-aloneN' and '-headfirst' (e.g. "
+                             "ctx8x2-g2to4)")
         return config
 
     @property
@@ -106,6 +118,7 @@ class ContextIndex:
         self.max_ngram, self.min_ngram, self.scan = max_ngram, min_ngram, scan
         self.tokens: list[int] = []
         self.table: dict[tuple[int, ...], list[int]] = {}
+        self.matched = 0  # the suffix length the last continuations() matched (0: none found)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -123,6 +136,7 @@ class ContextIndex:
         longest matched suffix first, then the most recent occurrence first."""
         seq, end = self.tokens, len(self.tokens)
         found: list[list[int]] = []
+        self.matched = 0
         for n in range(min(self.max_ngram, end - 1), self.min_ngram - 1, -1):
             positions = self.table.get(tuple(seq[end - n :]), ())
             scanned = 0
@@ -134,6 +148,7 @@ class ContextIndex:
                     i = pos + j
                     cont.append(seq[i] if i < end else cont[i - end])
                 if cont not in found:
+                    self.matched = self.matched or n
                     found.append(cont)
                     if len(found) == branches:
                         return found
@@ -236,6 +251,7 @@ class ContextDrafter:
             self.inner.reset(requests)
         self.indexes = [ContextIndex(self.config.max_ngram, self.config.min_ngram) for _ in range(requests)]
         self.context_s = 0.0
+        self.alone_rounds = 0  # rounds proposed with the context branches alone (ContextConfig.alone_ngram)
 
     @property
     def requests(self) -> int:
@@ -256,16 +272,22 @@ class ContextDrafter:
 
     def propose(self, sampling: SamplingConfig, generators: list[torch.Generator | None]) -> list[Proposal]:
         """One proposal per request: the head's tree of the request (or the empty tree) with the request's
-        own context branches merged in."""
-        if self.inner is not None:
+        own context branches merged in. With ``alone_ngram``, when every request matched a suffix that
+        long, the head is not run and the branches are proposed alone."""
+        t0 = time.perf_counter()
+        cfg = self.config
+        found = [index.continuations(cfg.lookup_tokens, cfg.branches) for index in self.indexes]
+        alone = cfg.alone_ngram is not None and all(getattr(index, "matched", 0) >= cfg.alone_ngram
+                                                    for index in self.indexes)
+        self.context_s += time.perf_counter() - t0
+        if self.inner is not None and not alone:
             heads = self.inner.propose(sampling, generators)
         else:
             heads = [Proposal.empty(sampling.greedy) for _ in self.indexes]
+            self.alone_rounds += self.inner is not None
         t0 = time.perf_counter()
-        cfg = self.config
         proposals = []
-        for head, index in zip(heads, self.indexes, strict=True):
-            branches = index.continuations(cfg.lookup_tokens, cfg.branches)
+        for head, branches in zip(heads, found, strict=True):
             tree, probs = merge_context(head.tree, head.draft_probs, head.rule, branches, cfg.first)
             proposals.append(Proposal(tree, probs, head.rule))
         self.context_s += time.perf_counter() - t0
