@@ -130,6 +130,7 @@ def test_context_only_shapes_have_one_spelling_and_need_a_context():
     assert TreeConfig(depth=5, top_k=4, total_tokens=16, context=ctx, head=False) == only  # one shape
     assert not only.is_chain and (only.depth, only.top_k, only.total_tokens, only.sampled) == (1, 1, 1, False)
     assert TreeConfig(**{**only.__dict__}) == only  # read back from decoding.json's mapping
+    assert TreeConfig.context_only(ContextConfig(lookup_tokens=8, alone_ngram=3)) == only  # alone: always
     with pytest.raises(ValueError, match="give it a context"):
         TreeConfig(head=False)
     with pytest.raises(ValueError, match="not a context setting"):

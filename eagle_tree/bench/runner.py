@@ -76,8 +76,8 @@ def context_only_method(tree: TreeConfig) -> Method:
     """Context branches without a head: a prompt-lookup decoder in eagle-tree's loop."""
     if tree.context is None:
         raise ValueError("a context-only method needs TreeConfig(context=ContextConfig(...))")
-    return Method(f"context-only-{tree.context.name}", "eagle", tree=TreeConfig.context_only(tree.context),
-                  use_head=False)
+    only = TreeConfig.context_only(tree.context)
+    return Method(f"context-only-{only.context.name}", "eagle", tree=only, use_head=False)
 
 
 HEAD_DEFAULTS = Method("head_defaults", "eagle", use_head=True)

@@ -142,7 +142,8 @@ def baseline_methods(cfg: BenchConfig):
     if "hf_prompt_lookup" in cfg.methods:
         methods.append(Method("hf_prompt_lookup", "hf", prompt_lookup_tokens=cfg.prompt_lookup_tokens))
     if "context" in cfg.methods:
-        methods += [context_only_method(TreeConfig(context=c)) for c in dict.fromkeys(cfg.contexts)]
+        alone = {m.name: m for m in (context_only_method(TreeConfig(context=c)) for c in cfg.contexts)}
+        methods += list(alone.values())  # one per setting; alone_ngram means nothing without a head
     if "head_defaults" in cfg.methods:
         methods.append(HEAD_DEFAULTS)
     return methods

@@ -24,7 +24,7 @@ tree goes to the host in one transfer per round.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -48,7 +48,8 @@ class TreeConfig:
     text, merged into the tree (None: off; their nodes count beside total_tokens, see context.py);
     head: draft with the head (False: the context branches alone, prompt lookup in eagle-tree's loop, a
     shape the bench's tuning can choose when the head's drafts do not pay; depth, top_k, total_tokens
-    and sampled are then unused and set to 1, 1, 1 and False, so every such shape has one spelling)."""
+    and sampled are then unused and set to 1, 1, 1 and False, and the context's alone_ngram to None, so
+    every such shape has one spelling)."""
 
     depth: int = 6
     top_k: int = 8
@@ -68,6 +69,8 @@ class TreeConfig:
                                  "(e.g. context={'lookup_tokens': 8})")
             for name, value in (("depth", 1), ("top_k", 1), ("total_tokens", 1), ("sampled", False)):
                 object.__setattr__(self, name, value)
+            if self.context.alone_ngram is not None:  # without a head every round is context alone
+                object.__setattr__(self, "context", replace(self.context, alone_ngram=None))
         for name in ("depth", "top_k", "total_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
