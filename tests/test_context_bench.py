@@ -40,7 +40,7 @@ def test_tuning_with_context_selects_and_round_trips(tmp_path):
     chosen = selection([plain, with_ctx, tree_ctx])
     assert {k: m.name for k, m in chosen.items()} == {
         "best": "chain-3+ctx8", "chain": "chain-3+ctx8", "tree": "tree-d3k2n6+ctx8", "no_context": "chain-3",
-        "context": "chain-3+ctx8"}
+        "context": "chain-3+ctx8", "head_only_chain": "chain-3"}  # no tree without context was measured
     path = tmp_path / "shapes.json"
     data = save_tuned_shapes(path, [plain, with_ctx, tree_ctx])
     assert set(data["marginal"]) == {"chain", "tree", "chain+ctx8", "tree+ctx8"}

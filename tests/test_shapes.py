@@ -149,7 +149,7 @@ def test_context_only_is_a_candidate_and_can_be_selected(tmp_path):
     measured = [_m(chain, 0.118, 1.39), _m(with_ctx, 0.140, 2.25), _m(only, 0.100, 1.84)]  # C/K 85, 62, 54 ms
     data = save_tuned_shapes(tmp_path / "shapes.json", measured, temperature=0.0)
     assert data["selected"] == {"best": "ctx8", "chain": "chain-4+ctx8", "no_context": "chain-4",
-                                "context": "chain-4+ctx8", "context_only": "ctx8"}
+                                "context": "chain-4+ctx8", "context_only": "ctx8", "head_only_chain": "chain-4"}
     chosen = selection(measured)
     assert chosen["best"].name == "ctx8" and chosen["context_only"].name == "ctx8"
     assert chosen["chain"].name == "chain-4+ctx8" and chosen["context"].name == "chain-4+ctx8"

@@ -166,8 +166,9 @@ def growth_order(measurements: Sequence[ShapeMeasurement]) -> list[ShapeMeasurem
 
 def selection(measurements: Sequence[ShapeMeasurement]) -> dict[str, ShapeMeasurement]:
     """The best chain, the best tree and the best of all; when context settings were measured, also
-    the best head shape without context (``no_context``), with it (``context``) and the best context-only
-    shape (``context_only``, no head). Keys present only when measured."""
+    the best head shape without context (``no_context``), with it (``context``), the best context-only
+    shape (``context_only``, no head) and the best chain and tree without context (``head_only_chain``,
+    ``head_only_tree``). Keys present only when measured."""
     chosen = {"best": pick_best(measurements)}
     drafted = [m for m in measurements if m.tree.head]
     groups = {
@@ -176,9 +177,12 @@ def selection(measurements: Sequence[ShapeMeasurement]) -> dict[str, ShapeMeasur
         "no_context": [m for m in drafted if m.tree.context is None],
         "context": [m for m in drafted if m.tree.context is not None],
         "context_only": [m for m in measurements if not m.tree.head],
+        "head_only_chain": [m for m in drafted if m.tree.is_chain and m.tree.context is None],
+        "head_only_tree": [m for m in drafted if not m.tree.is_chain and m.tree.context is None],
     }
     if not groups["context"]:
-        del groups["no_context"]
+        for kind in ("no_context", "head_only_chain", "head_only_tree"):
+            del groups[kind]
     for kind, group in groups.items():
         if group:
             chosen[kind] = pick_best(group)

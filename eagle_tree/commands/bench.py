@@ -77,7 +77,8 @@ class BenchConfig(GenerationOptions):
     """Context settings (lookup_tokens, max_ngram, min_ngram, branches, first): every candidate shape is
     also tuned with each of them; method `context` runs each alone (no head: prompt lookup in eagle-tree's loop)."""
     report_shapes: Literal["all", "selected"] = "all"
-    """Shapes in the test comparison: every candidate, or only the selected chain and tree."""
+    """Shapes in the test comparison: every candidate, or only the selected ones: the best chain and tree,
+    the best without and with context, and (with context settings) the best chain and tree without context."""
     methods: list[MethodKind] = field(default_factory=lambda: [
         "plain", "hf_generate", "hf_assisted", "hf_prompt_lookup", "chain", "tree"])
     """Methods to compare (plain always runs: it is the speed-up denominator). context: context branches
@@ -253,8 +254,7 @@ def run(cfg: BenchConfig) -> int:
         if shapes:
             tuning, chosen = tune_shapes(cfg, models, tuning_ids, out_dir, resume=resume, **common)
             if cfg.report_shapes == "selected":
-                shapes = list(dict.fromkeys(chosen[k].tree for k in ("chain", "tree", "no_context", "context")
-                                            if k in chosen))
+                shapes = list(dict.fromkeys(chosen[k].tree for k in SELECTED if k in chosen))
         # a context-only shape is compared as the `context` method (context-only-ctxN), not twice
         shapes = [s for s in shapes if s.head] if "context" in cfg.methods else shapes
         resumed = {"tuning": resume.resumed}
@@ -302,6 +302,8 @@ def run(cfg: BenchConfig) -> int:
     return 0
 
 
+SELECTED = ("chain", "tree", "no_context", "context", "head_only_chain", "head_only_tree")
+"""The selection keys (eagle_tree.bench.tuning.selection) whose shapes report_shapes=selected compares."""
 BENCH_KIND = "eagle-tree bench"
 BENCH_FILES = ("config.yaml", "bench.json", "bench.md", "shapes.json", "decoding.json", "survival.png",
                "time_per_token.png", "mtbench_turn1.jsonl", "bench_journal.jsonl")

@@ -25,7 +25,8 @@ DECODING_FILE = "decoding.json"
 
 
 def load_tuned_shape(path: str | Path,
-                     which: Literal["best", "chain", "tree", "context", "no_context", "context_only"] = "best"
+                     which: Literal["best", "chain", "tree", "context", "no_context", "context_only", "head_only_chain",
+                                    "head_only_tree"] = "best"
                      ) -> TreeConfig:
     """The draft shape selected in a tuning file written by :func:`save_tuned_shapes` (``eagle-tree bench``)."""
     path = Path(path)
