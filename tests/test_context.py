@@ -44,6 +44,7 @@ def test_longest_match_wins_then_the_most_recent():
     short = ContextIndex(max_ngram=1, min_ngram=1)
     short.extend([1, 2, 3, 9, 2, 3, 4, 5, 1, 2, 3])
     assert short.continuations(2) == [[4, 5]]  # most recent occurrence of (3,)
+    assert (index.match_length(), short.match_length()) == (3, 1)  # the suffix the branches above came from
 
 
 def test_copy_runs_on_with_overlap_in_a_loop():
@@ -55,8 +56,8 @@ def test_copy_runs_on_with_overlap_in_a_loop():
 def test_no_match_no_branch_and_min_ngram():
     index = ContextIndex(max_ngram=3, min_ngram=2)
     index.extend([1, 2, 3, 4, 3])  # (4, 3) never occurred before; (3,) did but is shorter than min_ngram
-    assert index.continuations(3) == []
-    assert ContextIndex().continuations(3) == []
+    assert index.continuations(3) == [] and index.match_length() == 0
+    assert ContextIndex().continuations(3) == [] and ContextIndex().match_length() == 0
 
 
 def test_incremental_index_equals_a_rebuild():
@@ -306,10 +307,8 @@ class _ParityFavourite(_Favourite):
     """The favourite's branch, reported as a 2-token match when the last committed token is even and as
     no match otherwise: a choice of alone rounds that reads only committed tokens, about half the time."""
 
-    def continuations(self, lookup_tokens: int, branches: int = 1) -> list[list[int]]:
-        last = self.head.committed[-1]
-        self.matched = 2 if last % 2 == 0 else 0
-        return super().continuations(lookup_tokens, branches)
+    def match_length(self) -> int:
+        return 2 if self.head.committed[-1] % 2 == 0 else 0
 
 
 class _ContextDrafter(ContextDrafter):

@@ -129,7 +129,7 @@ def test_resume_keeps_the_step_count_resolved_from_the_budget(tmp_path, monkeypa
     monkeypatch.setenv("WANDB_MODE", "disabled")
     out = tmp_path / "run"
     base = ["--config", str(SMOKE), f"output_dir={out}", f"target.toy_cache_dir={TOY_CACHE}", "progress=false",
-            "schedule.max_minutes=0.03", "eval.every=0", "eval.at_start=false", "eval.at_end=false",
+            "schedule.max_minutes=0.06", "eval.every=0", "eval.at_start=false", "eval.at_end=false",
             "checkpoint.every=6", "checkpoint.keep_last=null", "wandb.mode=disabled"]
     assert main(base) == 0
     first = json.loads((out / "train_summary.json").read_text())

@@ -118,7 +118,6 @@ class ContextIndex:
         self.max_ngram, self.min_ngram, self.scan = max_ngram, min_ngram, scan
         self.tokens: list[int] = []
         self.table: dict[tuple[int, ...], list[int]] = {}
-        self.matched = 0  # the suffix length the last continuations() matched (0: none found)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -131,12 +130,19 @@ class ContextIndex:
             for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
                 self.table.setdefault(tuple(seq[end - n :]), []).append(end)
 
+    def match_length(self) -> int:
+        """The longest suffix (min_ngram to max_ngram tokens) that occurred earlier in the text; 0 if none."""
+        seq, end = self.tokens, len(self.tokens)
+        for n in range(min(self.max_ngram, end - 1), self.min_ngram - 1, -1):
+            if any(pos < end for pos in self.table.get(tuple(seq[end - n :]), ())):
+                return n
+        return 0
+
     def continuations(self, lookup_tokens: int, branches: int = 1) -> list[list[int]]:
         """Up to ``branches`` distinct continuations of the current text, each ``lookup_tokens`` long:
         longest matched suffix first, then the most recent occurrence first."""
         seq, end = self.tokens, len(self.tokens)
         found: list[list[int]] = []
-        self.matched = 0
         for n in range(min(self.max_ngram, end - 1), self.min_ngram - 1, -1):
             positions = self.table.get(tuple(seq[end - n :]), ())
             scanned = 0
@@ -148,7 +154,6 @@ class ContextIndex:
                     i = pos + j
                     cont.append(seq[i] if i < end else cont[i - end])
                 if cont not in found:
-                    self.matched = self.matched or n
                     found.append(cont)
                     if len(found) == branches:
                         return found
@@ -277,7 +282,7 @@ class ContextDrafter:
         t0 = time.perf_counter()
         cfg = self.config
         found = [index.continuations(cfg.lookup_tokens, cfg.branches) for index in self.indexes]
-        alone = cfg.alone_ngram is not None and all(getattr(index, "matched", 0) >= cfg.alone_ngram
+        alone = cfg.alone_ngram is not None and all(index.match_length() >= cfg.alone_ngram
                                                     for index in self.indexes)
         self.context_s += time.perf_counter() - t0
         if self.inner is not None and not alone:

@@ -39,12 +39,12 @@ def int8_available() -> bool:
 
 class Int8Linear(nn.Module):
     """``nn.Linear`` without bias plus a per-row int8 copy of its weight for CPU forwards without
-    gradients. The copy is made from the weight at construction: call :func:`quantize_lm_head` again
-    after changing the weight."""
+    gradients. The copy is made from the weight at construction (of an ``nn.Linear`` or of another
+    ``Int8Linear``): call :func:`quantize_lm_head` again after changing the weight."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear | Int8Linear):
         super().__init__()
-        if linear.bias is not None:
+        if getattr(linear, "bias", None) is not None:
             raise ValueError("Int8Linear quantizes bias-free layers only (the head's lm_head)")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # the same parameter: state dicts, saving and training are unchanged
@@ -74,11 +74,9 @@ def quantize_lm_head(head: nn.Module) -> bool:
     if not int8_available():
         raise RuntimeError("head_int8 needs torch's quantized linear kernels (x86 or fbgemm engine), which this "
                            "torch build lacks: set head_int8=false")
-    layer = head.lm_head
-    linear = nn.Linear(layer.in_features, layer.out_features, bias=False, device="meta")
-    linear.weight = layer.weight
-    if linear.weight.device.type != "cpu" or linear.weight.dtype not in (torch.float32, torch.float64):
+    weight = head.lm_head.weight
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.float64):
         raise RuntimeError(f"head_int8 is for float32 (or float64) heads on CPU; this head's lm_head is "
-                           f"{linear.weight.dtype} on {linear.weight.device}: set head_int8=false")
-    head.lm_head = Int8Linear(linear)
+                           f"{weight.dtype} on {weight.device}: set head_int8=false")
+    head.lm_head = Int8Linear(head.lm_head)  # an Int8Linear already there: requantized from its weight
     return True
