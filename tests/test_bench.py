@@ -241,3 +241,27 @@ def test_bench_recipe_defaults_to_the_reference_config(given, monkeypatch):
     assert exit_info.value.code == 0
     expected = given or ["--config", "configs/bench-reference.yaml"]
     assert seen == [[*expected, "repeats=5"]]
+
+
+def test_reported_shapes_all_selected_and_head_only():
+    from eagle_tree.bench.tuning import ShapeMeasurement, selection
+    from eagle_tree.commands.bench import reported_shapes
+    from eagle_tree.decoding.context import ContextConfig
+
+    ctx = ContextConfig(lookup_tokens=8)
+    # C / K per shape: the chain with context is the best of all, then the tree with context
+    times = {"chain-4": 0.10, "tree-d3k2n6": 0.11, "chain-4+ctx8": 0.05, "tree-d3k2n6+ctx8": 0.06, "ctx8": 0.07}
+    trees = [TreeConfig.chain(4), TreeConfig(depth=3, top_k=2, total_tokens=6),
+             TreeConfig(depth=4, top_k=1, total_tokens=4, context=ctx),
+             TreeConfig(depth=3, top_k=2, total_tokens=6, context=ctx), TreeConfig.context_only(ctx)]
+    measured = [ShapeMeasurement(t, round_s=times[t.name], committed=1.0) for t in trees]
+    chosen = selection(measured)
+    names = {mode: [t.name for t in reported_shapes(mode, chosen, trees)] for mode in ("all", "selected", "head_only")}
+    assert names["all"] == [t.name for t in trees]
+    assert names["selected"] == ["chain-4+ctx8", "tree-d3k2n6+ctx8", "chain-4", "tree-d3k2n6"]
+    assert names["head_only"] == ["chain-4", "tree-d3k2n6"]  # no context branch, no context-only shape
+    # without context settings the best chain and tree are the head-only ones
+    plain = [m for m in measured if m.tree.context is None]
+    assert [t.name for t in reported_shapes("head_only", selection(plain), trees[:2])] == ["chain-4", "tree-d3k2n6"]
+    with pytest.raises(ValueError, match="head_only"):
+        reported_shapes("best", chosen, trees)

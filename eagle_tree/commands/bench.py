@@ -76,9 +76,11 @@ class BenchConfig(GenerationOptions):
     contexts: list[ContextConfig] = field(default_factory=list)
     """Context settings (lookup_tokens, max_ngram, min_ngram, branches, first): every candidate shape is
     also tuned with each of them; method `context` runs each alone (no head: prompt lookup in eagle-tree's loop)."""
-    report_shapes: Literal["all", "selected"] = "all"
-    """Shapes in the test comparison: every candidate, or only the selected ones: the best chain and tree,
-    the best without and with context, and (with context settings) the best chain and tree without context."""
+    report_shapes: Literal["all", "selected", "head_only"] = "all"
+    """Shapes in the test comparison: every candidate; only the selected ones (the best chain and tree, the
+    best without and with context, and with context settings the best chain and tree without context); or
+    head_only: the best chain and tree without context alone (the rows a long run such as the full MT-bench
+    needs beside method head_defaults, which is the tuned best, and method context)."""
     methods: list[MethodKind] = field(default_factory=lambda: [
         "plain", "hf_generate", "hf_assisted", "hf_prompt_lookup", "chain", "tree"])
     """Methods to compare (plain always runs: it is the speed-up denominator). context: context branches
@@ -253,8 +255,7 @@ def run(cfg: BenchConfig) -> int:
         # 1. tuning: shapes measured on the tuning prompts, never on the test prompts
         if shapes:
             tuning, chosen = tune_shapes(cfg, models, tuning_ids, out_dir, resume=resume, **common)
-            if cfg.report_shapes == "selected":
-                shapes = list(dict.fromkeys(chosen[k].tree for k in SELECTED if k in chosen))
+            shapes = reported_shapes(cfg.report_shapes, chosen, shapes)
         # a context-only shape is compared as the `context` method (context-only-ctxN), not twice
         shapes = [s for s in shapes if s.head] if "context" in cfg.methods else shapes
         resumed = {"tuning": resume.resumed}
@@ -304,6 +305,22 @@ def run(cfg: BenchConfig) -> int:
 
 SELECTED = ("chain", "tree", "no_context", "context", "head_only_chain", "head_only_tree")
 """The selection keys (eagle_tree.bench.tuning.selection) whose shapes report_shapes=selected compares."""
+HEAD_ONLY = ("head_only_chain", "chain", "head_only_tree", "tree")
+"""The keys report_shapes=head_only reads; ``chain`` and ``tree`` are head-only when no context was tuned."""
+
+
+def reported_shapes(report_shapes: str, chosen: dict, candidates: list[TreeConfig]) -> list[TreeConfig]:
+    """The shapes the test comparison runs, from the tuning's selection ``chosen`` (key -> measurement):
+    every candidate (``all``), the :data:`SELECTED` ones, or the best chain and tree without context
+    (``head_only``), each shape once."""
+    if report_shapes == "all":
+        return candidates
+    if report_shapes == "selected":
+        return list(dict.fromkeys(chosen[k].tree for k in SELECTED if k in chosen))
+    if report_shapes == "head_only":
+        return list(dict.fromkeys(chosen[k].tree for k in HEAD_ONLY
+                                  if k in chosen and chosen[k].tree.head and chosen[k].tree.context is None))
+    raise ValueError(f"report_shapes must be all, selected or head_only, got {report_shapes!r}")
 BENCH_KIND = "eagle-tree bench"
 BENCH_FILES = ("config.yaml", "bench.json", "bench.md", "shapes.json", "decoding.json", "survival.png",
                "time_per_token.png", "mtbench_turn1.jsonl", "bench_journal.jsonl")
