@@ -112,6 +112,60 @@ def test_turn_two_follows_the_models_own_greedy_answer_and_is_reused(chat_models
     assert [p.text for p in again] == [p.text for p in prompts]
 
 
+def test_turn1_answers_are_kept_one_by_one_and_a_stopped_run_continues(chat_models, tmp_path, monkeypatch):
+    from eagle_tree.bench.timing import Stopped
+    from eagle_tree.decoding.decoder import SpeculativeDecoder
+
+    target, tok = chat_models["target"], chat_models["tokenizer"]
+    section = MTBenchSection(enabled=True, questions=str(write_questions(tmp_path / "q.jsonl")))
+    questions = load_questions(section.questions)
+    path = tmp_path / mtbench.TURN1_FILE
+    path.write_text(json.dumps({"question_id": 999, "key": "another target", "answer": "kept"}) + "\n")
+    asked = []
+
+    def stop():  # stop before the third answer, after the file holds two
+        asked.append(len(path.read_text().splitlines()))
+        return len(asked) > 2
+
+    with pytest.raises(Stopped) as stopped:
+        mtbench.turn1_answers(target, tok, questions, tmp_path, 6, tok.eos_token_id, log=lambda s: None, stop=stop,
+                              progress=False)
+    assert (stopped.value.done, stopped.value.blocks) == (2, len(questions))
+    assert asked == [1, 2, 3]  # each answer was on disk before the next one started
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows[0]["answer"] == "kept"
+    assert [r["question_id"] for r in rows[1:]] == [q.question_id for q in questions[:2]]
+    # the rerun decodes only the questions not yet answered, and ends with the same answers as one run
+    calls = []
+    generate = SpeculativeDecoder.generate
+    monkeypatch.setattr(SpeculativeDecoder, "generate",
+                        lambda self, *a, **k: calls.append(1) or generate(self, *a, **k))
+    resumed = mtbench.turn1_answers(target, tok, questions, tmp_path, 6, tok.eos_token_id, log=lambda s: None,
+                                    progress=False)
+    assert len(calls) == len(questions) - 2
+    monkeypatch.setattr(SpeculativeDecoder, "generate", generate)
+    (tmp_path / "one").mkdir()
+    whole = mtbench.turn1_answers(target, tok, questions, tmp_path / "one", 6, tok.eos_token_id, log=lambda s: None,
+                                  progress=False)
+    assert {i: resumed[i] for i in whole} == whole and len(whole) == len(questions)
+    assert json.loads(path.read_text().splitlines()[0])["answer"] == "kept"  # another key's row survives
+
+
+def test_bench_max_minutes_stops_during_the_turn1_answers(chat_models, tmp_path, capsys):
+    from eagle_tree.commands.bench import STOPPED, main
+
+    questions = write_questions(tmp_path / "q.jsonl")
+    tuning = tmp_path / "tuning.jsonl"
+    tuning.write_text(json.dumps({"prompt": "<|im_start|>user\nThank you!<|im_end|>\n<|im_start|>assistant\n"}) + "\n")
+    code = main([f"target={chat_models['folder']}", f"head={chat_models['head']}", "assistant=null",
+                 f"tuning_prompts={tuning}", "mtbench.enabled=true", f"mtbench.questions={questions}",
+                 "max_new_tokens=8", "repeats=1", "warmup=0", "threads=1", "plots=false", "wandb.mode=disabled",
+                 "methods=[plain, chain]", "chain_lengths=[2]", f"output_dir={tmp_path / 'bench'}", "max_minutes=0"])
+    printed = capsys.readouterr().out
+    assert code == STOPPED
+    assert "after 0 of 4 MT-bench turn-1 answers" in printed and "run the same command again" in printed
+
+
 def test_groups_cover_turns_and_categories():
     ps = [mtbench.MTPrompt("t", "w", i, c, t) for i, c, *_ in QUESTIONS for t in (1, 2)]
     g = groups(ps)

@@ -6,7 +6,8 @@ never used to train a head or tune a draft shape (tuning reads the chat data's o
 
 Turn 2 is asked after the model's own turn-1 answer: that answer is decoded once per question with
 plain greedy decoding in eagle-tree's loop (stopping at EOS or the output budget) and stored in the
-bench folder (``mtbench_turn1.jsonl``, reused by a rerun with the same target, budget and questions),
+bench folder (``mtbench_turn1.jsonl``, written after each answer, reused by a rerun with the same target
+and budget),
 so every method and temperature sees the same turn-2 context. Each turn is then one prompt of the
 bench, labelled with its category and turn, and the bench reports every method overall, per category
 and per turn (eagle_tree.commands.bench).
@@ -134,11 +135,16 @@ def _turn1_key(target, max_new_tokens: int, eos_token_id: int | None) -> str:
 
 
 def turn1_answers(target, tokenizer, questions: list[Question], out_dir: Path, max_new_tokens: int,
-                  eos_token_id: int | None, log=print) -> dict[int, str]:
+                  eos_token_id: int | None, log=print, stop=None, progress: bool = True) -> dict[int, str]:
     """The model's own greedy turn-1 answer to each question (plain decoding), read from
-    ``out_dir/mtbench_turn1.jsonl`` when an earlier run of the same target and budget wrote it."""
+    ``out_dir/mtbench_turn1.jsonl`` when an earlier run of the same target and budget wrote it.
+
+    The file is rewritten (atomically) after every new answer, so a stopped or killed run keeps what it
+    decoded; rows of other questions, targets or budgets are kept as they are. ``stop()``, asked before
+    each answer, ends the work early with :class:`eagle_tree.bench.timing.Stopped` (``max_minutes``)."""
     import torch
 
+    from eagle_tree.bench.timing import Stopped
     from eagle_tree.core.sampling import SamplingConfig
     from eagle_tree.decoding.decoder import SpeculativeDecoder
     from eagle_tree.utils.atomic import write_text
@@ -146,16 +152,28 @@ def turn1_answers(target, tokenizer, questions: list[Question], out_dir: Path, m
     key = _turn1_key(target, max_new_tokens, eos_token_id)
     path = out_dir / TURN1_FILE
     answers: dict[int, str] = {}
+    others: list[str] = []  # rows of another target or budget: kept, never used
     if path.is_file():
         for line in path.read_text().splitlines():
             row = json.loads(line)
             if row.get("key") == key:
                 answers[int(row["question_id"])] = row["answer"]
+            else:
+                others.append(line)
     todo = [q for q in questions if q.question_id not in answers]
-    if todo:
-        log(f"MT-bench: decoding {len(todo)} turn-1 answers with plain greedy decoding (turn 2's context)")
-        plain = SpeculativeDecoder(target)
-        for q in todo:
+    if not todo:
+        return answers
+    log(f"MT-bench: decoding {len(todo)} turn-1 answers with plain greedy decoding (turn 2's context)")
+    plain = SpeculativeDecoder(target)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(todo), desc="MT-bench turn-1 answers", unit="answer")
+    try:
+        for done, q in enumerate(todo):
+            if stop is not None and stop():
+                raise Stopped(done, len(todo))
             ids = torch.tensor([tokenizer.encode(render(tokenizer, [{"role": "user", "content": q.turns[0]}]))])
             out = plain.generate(ids.to(target.device), max_new_tokens, sampling=SamplingConfig(temperature=0.0),
                                  eos_token_id=eos_token_id)
@@ -163,18 +181,23 @@ def turn1_answers(target, tokenizer, questions: list[Question], out_dir: Path, m
             if eos_token_id is not None and eos_token_id in new:
                 new = new[: new.index(eos_token_id)]
             answers[q.question_id] = tokenizer.decode(new, skip_special_tokens=True)
-        rows = [json.dumps({"question_id": q.question_id, "key": key, "answer": answers[q.question_id]})
-                for q in questions]
-        write_text(path, "".join(r + "\n" for r in rows))
+            rows = others + [json.dumps({"question_id": i, "key": key, "answer": a}) for i, a in answers.items()]
+            write_text(path, "".join(r + "\n" for r in rows))
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
     return answers
 
 
 def build_prompts(section: MTBenchSection, target, tokenizer, out_dir: Path, max_new_tokens: int,
-                  eos_token_id: int | None, log=print) -> list[MTPrompt]:
-    """Every requested turn of every selected question, question by question (turn 1, then turn 2)."""
+                  eos_token_id: int | None, log=print, stop=None, progress: bool = True) -> list[MTPrompt]:
+    """Every requested turn of every selected question, question by question (turn 1, then turn 2).
+    ``stop`` and ``progress``: as in :func:`turn1_answers`."""
     questions = load_questions(section.questions, section.questions_per_category)
-    answers = turn1_answers(target, tokenizer, questions, out_dir, max_new_tokens, eos_token_id, log) \
-        if 2 in section.turns else {}
+    answers = turn1_answers(target, tokenizer, questions, out_dir, max_new_tokens, eos_token_id, log, stop=stop,
+                            progress=progress) if 2 in section.turns else {}
     prompts = []
     for q in questions:
         first = [{"role": "user", "content": q.turns[0]}]

@@ -237,10 +237,17 @@ def run(cfg: BenchConfig) -> int:
     mark_output_dir(out_dir, BENCH_KIND)
     save_config(cfg, out_dir / "config.yaml")
     eos = models.tokenizer.eos_token_id if cfg.stop_at_eos else None
+    resume = _resume(cfg, models, out_dir)  # max_minutes counts from here: the turn-1 answers are in the sitting
     if cfg.mtbench.enabled:  # turn 2 follows the model's own greedy turn-1 answer (eagle_tree.bench.mtbench)
-        from eagle_tree.bench.mtbench import build_prompts
+        from eagle_tree.bench.mtbench import TURN1_FILE, build_prompts
 
-        test_prompts = build_prompts(cfg.mtbench, models.target, models.tokenizer, out_dir, cfg.max_new_tokens, eos)
+        try:
+            test_prompts = build_prompts(cfg.mtbench, models.target, models.tokenizer, out_dir, cfg.max_new_tokens,
+                                         eos, stop=resume.stop)
+        except Stopped as stop:
+            print(f"stopped by max_minutes={cfg.max_minutes} after {stop.done} of {stop.blocks} MT-bench turn-1 "
+                  f"answers; they are in {out_dir / TURN1_FILE}: run the same command again to continue")
+            return STOPPED
         shared = {p.text for p in tuning_prompts} & {p.text for p in test_prompts}
         if shared:
             raise InputError(f"{len(shared)} tuning prompt(s) of {cfg.tuning_prompts} are MT-bench turns: tune on "
@@ -250,7 +257,6 @@ def run(cfg: BenchConfig) -> int:
     common = dict(max_new_tokens=cfg.max_new_tokens, sampling=cfg.sampling, seed=cfg.seed, warmup=cfg.warmup,
                   eos_token_id=models.tokenizer.eos_token_id if cfg.stop_at_eos else None,
                   log=print if cfg.verbose else None)
-    resume = _resume(cfg, models, out_dir)
     try:
         # 1. tuning: shapes measured on the tuning prompts, never on the test prompts
         if shapes:
