@@ -42,7 +42,9 @@ _NAME = re.compile(r"^(?:chain-(?P<chain>\d+)|tree-d(?P<depth>\d+)k(?P<top_k>\d+
 
 @dataclass(frozen=True)
 class TreeConfig:
-    """Shape of the draft. depth: levels below the root; top_k: children per expanded node and
+    """Shape of the draft. depth: levels below the root (a sampled tree drafting at T > 0 keeps every
+    child it draws, so it stops at the first level that would pass total_tokens: d2 k4 n8 drafts one
+    level of 4, as 4 + 4 x 4 > 8; ``_Plan.of``); top_k: children per expanded node and
     nodes expanded per level; total_tokens: nodes kept after the global rerank; sampled: draw
     children (Gumbel-top-k) instead of taking the top-k; context: branches copied from the committed
     text, merged into the tree (None: off; their nodes count beside total_tokens, see context.py);
