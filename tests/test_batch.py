@@ -42,7 +42,7 @@ SHAPES = {
     "plain": None,
     "chain": TreeConfig.chain(length=4),
     "tree": TreeConfig(depth=4, top_k=3, total_tokens=12),
-    "sampled-tree": TreeConfig(depth=3, top_k=3, total_tokens=12, sampled=True),
+    "sampled-tree": TreeConfig(depth=2, top_k=3, total_tokens=12, sampled=True),
     "tree-context": TreeConfig(depth=3, top_k=2, total_tokens=6, context=ContextConfig(lookup_tokens=4)),
     "context-only": TreeConfig(context=ContextConfig(lookup_tokens=4)),  # no head: prompt lookup
 }

@@ -266,7 +266,7 @@ def test_context_off_builds_the_head_drafter_alone():
 def test_empty_context_proposals_leave_sampled_decoding_unchanged():
     """With no match the wrapper returns the head's proposal untouched: the same tokens, seed for seed,
     at temperature 1 with a sampled tree (same draft and verifier randomness)."""
-    tree = TreeConfig(depth=3, top_k=2, total_tokens=6, sampled=True)
+    tree = TreeConfig(depth=2, top_k=2, total_tokens=6, sampled=True)
     t1 = SamplingConfig(temperature=1.0)
     plain = SpeculativeDecoder(_target("llama"), _head("llama"), tree=tree)
     never = ContextDrafter(Drafter(_head("llama"), tree), ContextConfig(max_ngram=8, min_ngram=8))

@@ -29,8 +29,8 @@ def test_shape_names_with_context():
     assert TreeConfig.chain(4, sampled=False).name == "chain-4"
     assert TreeConfig(depth=4, top_k=1, total_tokens=4, context=CTX).name == "chain-4+ctx8"
     ctx = ContextConfig(lookup_tokens=6, branches=2, min_ngram=2, max_ngram=3, first="head")
-    assert TreeConfig(depth=3, top_k=2, total_tokens=6, sampled=True, context=ctx).name == \
-        "tree-d3k2n6-sampled+ctx6x2-g2to3-headfirst"
+    assert TreeConfig(depth=2, top_k=2, total_tokens=6, sampled=True, context=ctx).name == \
+        "tree-d2k2n6-sampled+ctx6x2-g2to3-headfirst"
 
 
 def test_tuning_with_context_selects_and_round_trips(tmp_path):
@@ -61,9 +61,9 @@ def test_decoding_defaults_round_trip(tmp_path):
     greedy = TreeConfig.chain(4)
     save_decoding_defaults(tmp_path, greedy, greedy=True, by="test")
     assert load_decoding_defaults(tmp_path) == {"greedy": greedy, "sampling": greedy}  # one entry serves both
-    sampled = TreeConfig(depth=2, top_k=2, total_tokens=4, sampled=True, context=CTX)
+    sampled = TreeConfig(depth=2, top_k=2, total_tokens=6, sampled=True, context=CTX)
     data = save_decoding_defaults(tmp_path, sampled, greedy=False, by="test")
-    assert data["greedy"]["source"] == {"by": "test"} and data["sampling"]["name"] == "tree-d2k2n4-sampled+ctx8"
+    assert data["greedy"]["source"] == {"by": "test"} and data["sampling"]["name"] == "tree-d2k2n6-sampled+ctx8"
     assert load_decoding_defaults(tmp_path) == {"greedy": greedy, "sampling": sampled}
     (tmp_path / "decoding.json").write_text(json.dumps({"format": "other"}))
     with pytest.raises(ValueError, match="decoding defaults"):
@@ -77,7 +77,7 @@ def test_decoder_uses_the_head_folders_defaults(tmp_path):
     from eagle_tree.models.target import TargetModel
 
     target = TargetModel.from_pretrained(str(assets["target"]))
-    greedy, sampled = TreeConfig.chain(2, sampled=False), TreeConfig(depth=2, top_k=2, total_tokens=4, sampled=True,
+    greedy, sampled = TreeConfig.chain(2, sampled=False), TreeConfig(depth=2, top_k=2, total_tokens=6, sampled=True,
                                                                      context=CTX)
     assert SpeculativeDecoder(target, Eagle3DraftModel.from_pretrained(head_dir, target=target)).tree == TreeConfig()
     save_decoding_defaults(head_dir, greedy, greedy=True)

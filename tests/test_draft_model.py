@@ -62,7 +62,7 @@ def _drafts(head: Eagle3DraftModel, target: TargetModel):
     pairs = (out.features, torch.tensor([PROMPT[1:] + [PROMPT[0]]]))
     results = []
     for cfg, seed in ((TreeConfig(depth=3, top_k=3, total_tokens=8), None),
-                      (TreeConfig(depth=3, top_k=3, total_tokens=12, sampled=True), 5)):
+                      (TreeConfig(depth=2, top_k=3, total_tokens=12, sampled=True), 5)):
         d = Drafter(head, cfg)
         d.catch_up(*pairs)
         g = None if seed is None else torch.Generator().manual_seed(seed)

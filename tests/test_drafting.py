@@ -21,7 +21,7 @@ from scipy.stats import chi2
 from eagle_tree import SamplingConfig, processed_probs
 from eagle_tree.core.verify import Proposal
 from eagle_tree.data.tiny import tiny_causal_lm
-from eagle_tree.decoding.drafting import Drafter, TreeConfig
+from eagle_tree.decoding.drafting import Drafter, TreeConfig, sampled_nodes
 from eagle_tree.models.cache import DraftCache
 from eagle_tree.models.head import Eagle3DraftModel
 from eagle_tree.models.target import TargetModel
@@ -136,9 +136,10 @@ def test_tree_config_defaults_chain_and_rules():
     chain = TreeConfig.chain(length=5)
     assert (chain.depth, chain.top_k, chain.total_tokens, chain.sampled) == (5, 1, 5, False) and chain.is_chain
     assert TreeConfig.chain(3, sampled=True).sampled
-    assert cfg.rule(GREEDY) == "greedy" == TreeConfig(sampled=True).rule(GREEDY)
+    sampled = TreeConfig(depth=2, top_k=2, total_tokens=6, sampled=True)
+    assert cfg.rule(GREEDY) == "greedy" == sampled.rule(GREEDY)
     assert cfg.rule(T1) == "deterministic"
-    assert TreeConfig(sampled=True).rule(SamplingConfig(temperature=0.7, top_k=5)) == "without_replacement"
+    assert sampled.rule(SamplingConfig(temperature=0.7, top_k=5)) == "without_replacement"
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.depth = 3
 
@@ -263,7 +264,7 @@ def test_one_catch_up_equals_several_smaller_ones(chunks):
         assert torch.allclose(a, b, atol=ATOL, rtol=0)
     p, q = whole.propose(T1)[0], pieces.propose(T1)[0]
     assert (p.tree.parents, p.tree.tokens) == (q.tree.parents, q.tree.tokens)
-    whole.config = pieces.config = TreeConfig(depth=3, top_k=3, total_tokens=12, sampled=True)
+    whole.config = pieces.config = TreeConfig(depth=2, top_k=3, total_tokens=12, sampled=True)
     s1, s2 = (x.propose(T1, [torch.Generator().manual_seed(4)])[0] for x in (whole, pieces))
     assert s1.tree.tokens == s2.tree.tokens
     assert torch.allclose(s1.draft_probs, s2.draft_probs, atol=ATOL, rtol=0)
@@ -293,9 +294,9 @@ def test_draft_cache_append_crop_and_growth():
 
 
 SAMPLED = [
-    (TreeConfig(depth=3, top_k=3, total_tokens=12, sampled=True), T1),
+    (TreeConfig(depth=2, top_k=3, total_tokens=12, sampled=True), T1),
     (TreeConfig(depth=4, top_k=2, total_tokens=14, sampled=True), SamplingConfig(temperature=0.7, top_k=4)),
-    (TreeConfig(depth=3, top_k=4, total_tokens=30, sampled=True), SamplingConfig(temperature=1.0, top_p=0.5)),
+    (TreeConfig(depth=3, top_k=3, total_tokens=21, sampled=True), SamplingConfig(temperature=1.0, top_p=0.5)),
     (TreeConfig.chain(length=3, sampled=True), SamplingConfig(temperature=0.7, top_p=0.9)),
 ]
 
@@ -332,15 +333,50 @@ def test_sampled_trees_never_prune_and_carry_their_q(cfg, sampling, reduced):
             assert len(kids) == min(cfg.top_k, int((q > 0).sum()))
             tokens = [tree.tokens[k] for k in kids]
             assert len(set(tokens)) == len(tokens) and all(q[t] > 0 for t in tokens)  # without replacement
-        # every level below the root expands its top_k nodes (or all of them), except dropped levels
+        # every level below the root is drawn and expands its top_k nodes (or all of them): the tree is its name
         levels = [expanded_per_level.get(depth, 0) for depth in range(cfg.depth)]
-        assert levels[0] == 1
+        assert levels[0] == 1 and tree.max_depth == cfg.depth
         for depth in range(1, cfg.depth):
             width = sum(1 for i in range(len(tree)) if tree.depth[i] == depth)
-            assert levels[depth] in (0, min(cfg.top_k, width))
-            if levels[depth] == 0:  # a dropped level: everything below is gone too
-                assert all(x == 0 for x in levels[depth:])
+            assert levels[depth] == min(cfg.top_k, width)
+        if sampling.top_k is None and sampling.top_p is None and not reduced:  # q's support is never short
+            assert len(tree) == cfg.total_tokens == sampled_nodes(cfg.depth, cfg.top_k)
     assert torch.equal(global_state, torch.get_rng_state())  # the drafter draws from its own generator
+
+
+@pytest.mark.parametrize("depth, top_k, nodes", [(1, 4, 4), (2, 4, 20), (2, 2, 6), (3, 2, 10), (2, 3, 12), (4, 2, 14),
+                                                  (3, 3, 21), (5, 1, 5)])
+def test_sampled_nodes_counts_every_level(depth, top_k, nodes):
+    assert sampled_nodes(depth, top_k) == nodes
+    assert TreeConfig(depth=depth, top_k=top_k, total_tokens=nodes, sampled=True).total_tokens == nodes
+
+
+@pytest.mark.parametrize("depth, top_k, total, fix", [
+    (2, 4, 8, "total_tokens=20, or depth=1 with total_tokens=4"),  # the shape that used to draft one level of 4
+    (3, 3, 12, "total_tokens=21, or depth=2 with total_tokens=12"),
+    (6, 8, 48, "total_tokens=328, or depth=1 with total_tokens=8"),
+    (2, 2, 10, "must be 6, not 10: set total_tokens=6"),  # more room than it draws: the name would overstate it
+])
+def test_a_sampled_shape_whose_levels_do_not_make_total_tokens_is_refused(depth, top_k, total, fix):
+    """A sampled tree keeps every child it draws: its name must be the tree it draws at T > 0."""
+    with pytest.raises(ValueError, match="keeps every child it draws") as err:
+        TreeConfig(depth=depth, top_k=top_k, total_tokens=total, sampled=True)
+    assert fix in str(err.value)
+    with pytest.raises(ValueError, match="keeps every child it draws"):
+        TreeConfig.from_name(f"tree-d{depth}k{top_k}n{total}-sampled")
+    TreeConfig(depth=depth, top_k=top_k, total_tokens=total)  # the deterministic tree reranks to total_tokens
+
+
+def test_a_sampled_tree_draws_every_level_it_names():
+    """d2 k4 n20 at T = 1: 4 root children, then 4 children under each of them (20 nodes, depth 2);
+    d1 k4 n4 draws the 4 siblings alone. Negative control: the two are told apart."""
+    deep = _drafter(TreeConfig(depth=2, top_k=4, total_tokens=20, sampled=True))
+    flat = _drafter(TreeConfig(depth=1, top_k=4, total_tokens=4, sampled=True))
+    a = deep.propose(T1, [torch.Generator().manual_seed(1)])[0].tree
+    b = flat.propose(T1, [torch.Generator().manual_seed(1)])[0].tree
+    assert (len(a), a.max_depth) == (20, 2) and sorted(a.children[-1]) == [0, 1, 2, 3]
+    assert all(len(a.children[c]) == 4 for c in a.children[-1])
+    assert (len(b), b.max_depth) == (4, 1)
 
 
 def test_sampled_trees_are_random_and_reproducible():
@@ -350,7 +386,7 @@ def test_sampled_trees_are_random_and_reproducible():
 
 
 def test_sampled_config_at_temperature_zero_drafts_the_deterministic_tree():
-    cfg = TreeConfig(depth=3, top_k=3, total_tokens=8)
+    cfg = TreeConfig(depth=3, top_k=2, total_tokens=10)
     greedy = _drafter(dataclasses.replace(cfg, sampled=True)).propose(GREEDY, [torch.Generator().manual_seed(0)])[0]
     assert greedy.rule == "greedy" and greedy.draft_probs is None
     assert _paths(greedy) == _grow(ChainReference(_head()), cfg)[0]
@@ -392,7 +428,7 @@ def _pvalue(counts: torch.Tensor, law: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("cfg, sampling", [(TreeConfig(depth=4, top_k=3, total_tokens=10), T1),
-                                           (TreeConfig(depth=3, top_k=3, total_tokens=12, sampled=True), T1)],
+                                           (TreeConfig(depth=2, top_k=3, total_tokens=12, sampled=True), T1)],
                          ids=["deterministic", "sampled"])
 def test_propose_makes_one_host_transfer(cfg, sampling, monkeypatch):
     """Tree growth stays in tensors: the only conversion to Python values in ``propose`` is the final

@@ -34,7 +34,7 @@ def test_every_name_the_tuners_write_reads_back():
     contexts = [ContextConfig(lookup_tokens=8), ContextConfig(lookup_tokens=8, min_ngram=2),
                 ContextConfig(lookup_tokens=4, branches=2, min_ngram=3, max_ngram=5, first="head")]
     shapes = candidate_shapes(CHAIN_LENGTHS, TREES, contexts)
-    shapes += [TreeConfig.chain(2, sampled=True), TreeConfig(depth=3, top_k=2, total_tokens=6, sampled=True,
+    shapes += [TreeConfig.chain(2, sampled=True), TreeConfig(depth=2, top_k=2, total_tokens=6, sampled=True,
                                                             context=contexts[1])]
     for tree in shapes:
         assert TreeConfig.from_name(tree.name) == tree, tree.name
@@ -49,7 +49,7 @@ def test_every_name_the_tuners_write_reads_back():
 def test_shape_names():
     assert TreeConfig.chain(4).name == "chain-4"
     assert TreeConfig(depth=6, top_k=8, total_tokens=48).name == "tree-d6k8n48"
-    assert TreeConfig(depth=3, top_k=2, total_tokens=6, sampled=True).name == "tree-d3k2n6-sampled"
+    assert TreeConfig(depth=2, top_k=2, total_tokens=6, sampled=True).name == "tree-d2k2n6-sampled"
 
 
 def test_marginal_rule_by_hand():

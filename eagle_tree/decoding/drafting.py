@@ -11,7 +11,8 @@ verified with the "deterministic" rule (or "greedy" at temperature 0).
 
 Sampled trees (``sampled=True``): each expanded node draws ``top_k`` children without replacement
 from its processed draft distribution ``q`` (Gumbel-top-k, from the drafter's own generator), and no
-sampled child is ever pruned; whole levels are dropped only by a rule fixed by the config. They
+sampled child is ever pruned (``TreeConfig`` refuses a sampled shape whose ``total_tokens`` is not
+the number of nodes its levels draw, so every level is drawn and the name is the tree). They
 are verified with the "without_replacement" rule. Both kinds are exact (docs/EXACTNESS.md, "Sampled trees").
 
 Growth is tensor work: per level one sort of the previous level's scores picks the frontier, one head
@@ -40,13 +41,25 @@ _NAME = re.compile(r"^(?:chain-(?P<chain>\d+)|tree-d(?P<depth>\d+)k(?P<top_k>\d+
                    r"(?P<sampled>-sampled)?$")
 
 
+def sampled_nodes(depth: int, top_k: int) -> int:
+    """The nodes a sampled tree of ``depth`` levels draws (and keeps) with ``top_k`` children per
+    expanded node and ``top_k`` nodes expanded per level: k, then min(k, the level's size) x k per level
+    below, e.g. 4 + 16 = 20 for d2 k4 and 2 + 4 + 4 = 10 for d3 k2 (fewer when the draft vocabulary is
+    smaller than ``top_k``)."""
+    nodes = size = top_k
+    for _ in range(1, depth):
+        size = min(top_k, size) * top_k
+        nodes += size
+    return nodes
+
+
 @dataclass(frozen=True)
 class TreeConfig:
-    """Shape of the draft. depth: levels below the root (a sampled tree drafting at T > 0 keeps every
-    child it draws, so it stops at the first level that would pass total_tokens: d2 k4 n8 drafts one
-    level of 4, as 4 + 4 x 4 > 8; ``_Plan.of``); top_k: children per expanded node and
-    nodes expanded per level; total_tokens: nodes kept after the global rerank; sampled: draw
-    children (Gumbel-top-k) instead of taking the top-k; context: branches copied from the committed
+    """Shape of the draft. depth: levels below the root; top_k: children per expanded node
+    and nodes expanded per level; total_tokens: nodes kept after the global rerank; sampled: draw
+    children (Gumbel-top-k) instead of taking the top-k (a sampled tree keeps every child it draws, so
+    total_tokens is the nodes its levels draw, ``sampled_nodes(depth, top_k)``: d2 k4 n20 or d1 k4 n4,
+    never d2 k4 n8, so the name is the tree drawn at T > 0); context: branches copied from the committed
     text, merged into the tree (None: off; their nodes count beside total_tokens, see context.py);
     head: draft with the head (False: the context branches alone, prompt lookup in eagle-tree's loop, a
     shape the bench's tuning can choose when the head's drafts do not pay; depth, top_k, total_tokens
@@ -81,6 +94,15 @@ class TreeConfig:
             raise ValueError(
                 f"a sampled tree keeps every child it draws, so top_k ({self.top_k}) must be <= total_tokens "
                 f"({self.total_tokens})"
+            )
+        if self.sampled and sampled_nodes(self.depth, self.top_k) != self.total_tokens:
+            need = sampled_nodes(self.depth, self.top_k)
+            fits = max(d for d in range(1, self.depth + 1) if sampled_nodes(d, self.top_k) <= self.total_tokens)
+            raise ValueError(
+                f"a sampled tree keeps every child it draws, so depth {self.depth} with top_k {self.top_k} draws "
+                f"{need} nodes and its total_tokens must be {need}, not {self.total_tokens}: set "
+                f"total_tokens={need}" + (f", or depth={fits} with total_tokens={sampled_nodes(fits, self.top_k)}"
+                                          if need > self.total_tokens else "")
             )
 
     @classmethod
@@ -231,8 +253,6 @@ class _Plan:
         for _ in range(1, cfg.depth):
             lo, prev_hi, _ = levels[-1]
             width = min(cfg.top_k, prev_hi - lo)
-            if sampled and hi + width * cfg.top_k > cfg.total_tokens:
-                break  # sampled trees drop whole levels, by a rule fixed by the config
             levels.append((hi, hi + width * k, width))
             hi += width * k
         return cls(k, tuple(levels))
