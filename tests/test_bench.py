@@ -88,14 +88,19 @@ def test_smoke_bench_writes_json_markdown_and_plots(smoke):
 def test_smoke_bench_tunes_on_tuning_prompts_and_selects_by_time_per_token(smoke):
     out, report, _ = smoke
     tuning = report["tuning"]
-    assert {s["name"] for s in tuning["shapes"]} == {"chain-1", "chain-2", "chain-4", "tree-d3k2n6", "tree-d4k4n12"}
+    assert {s["name"] for s in tuning["shapes"]} == {"none", "chain-1", "chain-2", "chain-4", "tree-d3k2n6",
+                                                    "tree-d4k4n12"}  # none: plain decoding, one token a round
+    plain = next(s for s in tuning["shapes"] if s["name"] == "none")
+    assert plain["tree"] is None and plain["committed"] == 1.0
     assert tuning["context"]["prompts"].endswith("tuning.jsonl")
     assert {c["phase"] for c in tuning["schedule"]} == {"tuning"}
-    best = min(tuning["shapes"], key=lambda s: s["round_s"] / s["committed"])
+    assert "plain" in {c["method"] for c in tuning["schedule"]}
+    best = min(tuning["shapes"], key=lambda s: (s["round_s"] / s["committed"], s["tree"] is not None))
     assert tuning["selected"]["best"] == best["name"]
+    assert all(tuning["selected"][k] != "none" for k in tuning["selected"] if k != "best")
     selected = {r["method"]: r["selected_as"] for r in report["methods"] if r["selected_as"]}
-    assert "best" in selected[best["name"]]
-    assert load_tuned_shape(out / "shapes.json") == TreeConfig(**best["tree"])
+    assert "best" in selected["plain" if best["name"] == "none" else best["name"]]  # none: plain's row
+    assert load_tuned_shape(out / "shapes.json") == (None if best["tree"] is None else TreeConfig(**best["tree"]))
 
 
 @pytest.mark.slow
@@ -132,7 +137,27 @@ def test_decode_auto_uses_the_tuned_shape(smoke, assets):
                        shapes=str(out / "shapes.json"))
     decoder, _ = load_models(cfg)
     best = next(s for s in report["tuning"]["shapes"] if s["name"] == report["tuning"]["selected"]["best"])
-    assert decoder.tree == TreeConfig(**best["tree"])
+    if best["tree"] is None:  # none: plain decoding
+        assert decoder.draft is None and decoder.drafter is None
+    else:
+        assert decoder.tree == TreeConfig(**best["tree"])
+
+
+def test_decode_auto_decodes_plainly_where_the_tuning_chose_none(assets, tmp_path):
+    from eagle_tree.bench.tuning import ShapeMeasurement, save_tuned_shapes
+
+    path = tmp_path / "shapes.json"
+    chain = ShapeMeasurement(TreeConfig.chain(2), 0.030, 2.0)  # 15 ms / token
+    cfg = DecodeConfig(target=str(assets["target"]), head=str(assets["head"]), mode="auto", shapes=str(path),
+                       max_new_tokens=8)
+    save_tuned_shapes(path, [ShapeMeasurement(None, 0.010, 1.0), chain])  # 10 ms / token: do not speculate
+    decoder, _ = load_models(cfg)
+    assert decoder.draft is None and decoder.drafter is None
+    ids = torch.tensor([5, 6, 7])
+    assert decoder.generate(ids, 8).acceptance_lengths == [1] * 7
+    save_tuned_shapes(path, [ShapeMeasurement(None, 0.020, 1.0), chain])  # the other direction: the chain pays
+    decoder, _ = load_models(cfg)
+    assert decoder.tree == TreeConfig.chain(2) and decoder.draft is not None
 
 
 def _models(assets, assistant_dir):

@@ -70,6 +70,96 @@ def test_decoding_defaults_round_trip(tmp_path):
         load_decoding_defaults(tmp_path)
 
 
+def test_decoding_defaults_hold_plain_decoding(tmp_path):
+    """An entry may be none (plain decoding), read back as None: distinct from an absent entry, and the
+    greedy entry still serves sampling when there is no sampling entry."""
+    data = save_decoding_defaults(tmp_path, None, greedy=True, by="test")
+    assert data["greedy"] == {"tree": None, "name": "none", "source": {"by": "test"}}
+    assert load_decoding_defaults(tmp_path) == {"greedy": None, "sampling": None}  # one entry serves both
+    chain = TreeConfig.chain(3)
+    save_decoding_defaults(tmp_path, chain, greedy=False)
+    assert load_decoding_defaults(tmp_path) == {"greedy": None, "sampling": chain}
+    save_decoding_defaults(tmp_path, chain, greedy=True)
+    save_decoding_defaults(tmp_path, None, greedy=False)
+    assert load_decoding_defaults(tmp_path) == {"greedy": chain, "sampling": None}
+    assert json.loads((tmp_path / "decoding.json").read_text())["sampling"]["name"] == "none"
+    (tmp_path / "only").mkdir()
+    save_decoding_defaults(tmp_path / "only", chain, greedy=True)
+    assert load_decoding_defaults(tmp_path / "only") == {"greedy": chain, "sampling": chain}  # absent: not plain
+
+
+def test_decoder_with_a_none_default_decodes_plainly(tmp_path):
+    """A sampling default of none gives exactly the tokens of plain decoding (draft=None) for the same
+    seed at T=1, one token a round, and batched too; the negative control, a drafted sampling default,
+    commits more tokens a round and so runs fewer rounds. A greedy none leaves the decoder no tree."""
+    from eagle_tree import SamplingConfig
+    from eagle_tree.models.target import TargetModel
+
+    assets = build_tiny_assets(tmp_path / "assets")
+    head_dir = tmp_path / "head"
+    shutil.copytree(assets["head"], head_dir)
+    target = TargetModel.from_pretrained(str(assets["target"]))
+    greedy_shape = TreeConfig.chain(2)
+    save_decoding_defaults(head_dir, greedy_shape, greedy=True)
+    save_decoding_defaults(head_dir, None, greedy=False)
+    dec = SpeculativeDecoder(target, Eagle3DraftModel.from_pretrained(head_dir, target=target))
+    t1, t0 = SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.0)
+    assert dec.defaults == {"greedy": greedy_shape, "sampling": None} and dec.tree == greedy_shape
+    assert dec.shape_for(t1) is None and dec.shape_for(t0) == greedy_shape
+    plain = SpeculativeDecoder(target)
+    prompts = [torch.tensor([5, 6, 7, 8]), torch.tensor([9, 10, 11])]
+    for seed in range(3):
+        out, ref = dec.generate(prompts[0], 16, sampling=t1, seed=seed), plain.generate(prompts[0], 16, sampling=t1,
+                                                                                         seed=seed)
+        assert torch.equal(out.sequences, ref.sequences)
+        assert out.acceptance_lengths == [1] * 15 and all(r.tree_size == 0 for r in out.rounds)
+    assert set(dec._kept) <= {greedy_shape}  # no drafter was built for sampling
+    batch, ref = dec.generate_batch(prompts, 8, sampling=t1, seed=2), plain.generate_batch(prompts, 8, sampling=t1,
+                                                                                           seed=2)
+    assert all(torch.equal(a, b) for a, b in zip(batch.sequences, ref.sequences, strict=True))
+
+    # negative control: a drafted sampling default runs the drafter, which this test can tell apart
+    save_decoding_defaults(head_dir, TreeConfig.chain(3, sampled=True), greedy=False)
+    drafted = SpeculativeDecoder(target, Eagle3DraftModel.from_pretrained(head_dir, target=target))
+    outs = [drafted.generate(prompts[0], 16, sampling=t1, seed=seed) for seed in range(3)]
+    assert all(r.tree_size == 3 for o in outs for r in o.rounds)
+    assert sum(len(o.rounds) for o in outs) < 3 * 15 and max(a for o in outs for a in o.acceptance_lengths) > 1
+
+    save_decoding_defaults(head_dir, None, greedy=True)  # greedy plain too: no tree at all
+    none = SpeculativeDecoder(target, Eagle3DraftModel.from_pretrained(head_dir, target=target))
+    assert none.tree is None and none.drafter is None and none.shape_for(t0) is None
+    out = none.generate(prompts[1], 12, sampling=t0)
+    assert torch.equal(out.sequences, plain.generate(prompts[1], 12, sampling=t0).sequences)
+    assert out.acceptance_lengths == [1] * 11
+
+
+def test_head_defaults_journal_key_and_shape_tell_none_apart(tmp_path):
+    """method_identity (the journal key) and the report's shape column of head_defaults differ between a
+    none default and a drafted one."""
+    from eagle_tree import SamplingConfig
+    from eagle_tree.bench.runner import HEAD_DEFAULTS, BenchModels, head_defaults_shape, method_identity
+    from eagle_tree.models.target import TargetModel
+
+    assets = build_tiny_assets(tmp_path / "assets")
+    head_dir = tmp_path / "head"
+    shutil.copytree(assets["head"], head_dir)
+    target = TargetModel.from_pretrained(str(assets["target"]))
+
+    def models():
+        return BenchModels(target, None, head=Eagle3DraftModel.from_pretrained(head_dir, target=target))
+
+    save_decoding_defaults(head_dir, TreeConfig.chain(2), greedy=True)
+    drafted = models()
+    drafted_key = method_identity(HEAD_DEFAULTS, drafted)  # reads decoding.json now
+    save_decoding_defaults(head_dir, None, greedy=True)
+    none = models()
+    assert method_identity(HEAD_DEFAULTS, none) != drafted_key
+    assert method_identity(HEAD_DEFAULTS, drafted) == drafted_key
+    greedy = SamplingConfig(temperature=0.0)
+    shapes = [head_defaults_shape(m.decoder(None, True), greedy) for m in (none, drafted)]
+    assert shapes == ["head defaults (decoding.json): none, plain decoding", "head defaults (decoding.json): chain-2"]
+
+
 def test_decoder_uses_the_head_folders_defaults(tmp_path):
     assets = build_tiny_assets(tmp_path / "assets")
     head_dir = tmp_path / "head"
@@ -114,7 +204,12 @@ def test_bench_with_context_methods_and_head_defaults(tmp_path):
     assert rows["context-only-ctx3"]["tree"]["context"]["lookup_tokens"] == 3
     written = load_decoding_defaults(out)
     assert written == load_decoding_defaults(assets["head"])
-    assert written["greedy"].name == report["tuning"]["selected"]["best"]
+    best = report["tuning"]["selected"]["best"]  # plain decoding is a candidate: none may win
+    assert "none" in {s["name"] for s in report["tuning"]["shapes"]}
+    assert (written["greedy"] is None) == (best == "none")
+    assert best == "none" or written["greedy"].name == best
+    assert rows["head_defaults"]["shape"] == "head defaults (decoding.json): " + (
+        "none, plain decoding" if best == "none" else best)
 
 
 def test_ooc_bench_configs_load():

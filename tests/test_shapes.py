@@ -4,9 +4,11 @@ import json
 import random
 
 import pytest
+import torch
 
 from eagle_tree.bench.tuning import (
     CHAIN_LENGTHS,
+    NONE,
     SERVING_CANDIDATES,
     TREES,
     ShapeMeasurement,
@@ -88,6 +90,71 @@ def test_pick_best_lowest_time_per_token_ties_to_smaller_shape():
         pick_best([])
     with pytest.raises(ValueError, match="committed"):
         ShapeMeasurement(TreeConfig.chain(1), 0.01, 0.0)
+
+
+def test_plain_decoding_is_the_candidate_none():
+    """Plain decoding (ShapeMeasurement(None, C, 1)) is named none, round-trips, and pick_best chooses it
+    exactly when no drafted shape's C / K is below a plain step's; on a tie it wins (no draft nodes)."""
+    plain = _m(None, 0.010, 1.0)  # 10 ms / token
+    assert plain.name == NONE == "none" and not plain.drafted and plain.size == 0
+    assert ShapeMeasurement.from_dict(plain.to_dict()) == plain and plain.to_dict()["tree"] is None
+    slower = [_m(TreeConfig.chain(2), 0.024, 2.0), _m(TreeConfig(depth=4, top_k=4, total_tokens=16), 0.033, 3.0)]
+    assert pick_best([plain, *slower]) is plain  # 12 and 11 ms / token: do not speculate
+    faster = _m(TreeConfig.chain(3), 0.027, 3.0)  # 9 ms / token
+    assert pick_best([plain, *slower, faster]) is faster
+    assert pick_best([faster, plain]) is faster  # the order does not matter
+    tie = [_m(TreeConfig.chain(1), 0.020, 2.0), _m(TreeConfig.context_only(ContextConfig(lookup_tokens=8)), 0.010,
+                                                   1.0)]
+    assert pick_best([*tie, plain]) is plain  # 10 ms / token each: the smallest shape, plain decoding
+
+
+def test_selection_and_tuning_file_with_none(tmp_path):
+    """best may be none; every other key names a drafted shape, the marginal tables skip none, and
+    load_tuned_shape reads none back as None (plain decoding)."""
+    plain = _m(None, 0.010, 1.0)
+    chains = [_m(TreeConfig.chain(1), 0.015, 1.4), _m(TreeConfig.chain(3), 0.030, 2.5)]
+    trees = [_m(TreeConfig(depth=3, top_k=2, total_tokens=6), 0.030, 2.4)]
+    path = tmp_path / "shapes.json"
+    data = save_tuned_shapes(path, [plain, *chains, *trees], temperature=1.0)
+    assert data["selected"] == {"best": "none", "chain": "chain-1", "tree": "tree-d3k2n6"}  # 10.7, 12.5 ms
+    assert data["shapes"][0] == plain.to_dict() | {"name": "none", "tree": None}
+    assert all(NONE not in (s["small"], s["large"]) for seq in data["marginal"].values() for s in seq)
+    assert set(data["marginal"]) == {"chain", "tree"} and len(data["marginal"]["chain"]) == 1
+    assert load_tuned_shape(path) is None
+    assert load_tuned_shape(path, "chain") == TreeConfig.chain(1) and load_tuned_shape(path, "tree") == trees[0].tree
+    assert [ShapeMeasurement.from_dict(d) for d in json.loads(path.read_text())["shapes"]] == [plain, *chains, *trees]
+    ctx = ContextConfig(lookup_tokens=8)
+    with_ctx = [plain, _m(TreeConfig(depth=3, top_k=1, total_tokens=3, context=ctx), 0.032, 3.2),
+                _m(TreeConfig.context_only(ctx), 0.012, 1.1)]
+    chosen = selection(with_ctx)
+    assert chosen["best"] is plain and {k: m.name for k, m in chosen.items() if k != "best"} == {
+        "chain": "chain-3+ctx8", "context": "chain-3+ctx8", "context_only": "ctx8"}
+    # the other direction: a drafted shape below plain's C / K is the best
+    faster = _m(TreeConfig.chain(2), 0.016, 2.0)  # 8 ms / token
+    save_tuned_shapes(path, [plain, *chains, faster])
+    assert load_tuned_shape(path) == TreeConfig.chain(2)
+
+
+def test_shape_measurements_take_plain_decoding_as_none():
+    """The tuning phase's plain method gives the candidate none (K = 1); head_defaults is no candidate."""
+    from eagle_tree.bench.runner import HEAD_DEFAULTS, PLAIN, PhaseResult, eagle_method
+    from eagle_tree.bench.tuning import shape_measurements
+    from eagle_tree.decoding.decoder import GenerateOutput
+    from eagle_tree.decoding.rounds import RoundStats
+
+    def out(committed, s):
+        rounds = [RoundStats(c - 1, c, 2, 0.001, s - 0.002, 0.001) for c in committed]
+        return GenerateOutput(torch.tensor([[1, 2] + [3] * (1 + sum(committed))]), 2, rounds=rounds)
+
+    chain = eagle_method(TreeConfig.chain(2))
+    outputs = {"plain": [[out([1, 1, 1, 1], 0.010)]], chain.name: [[out([2, 3], 0.020)]],
+               "head_defaults": [[out([2, 2], 0.020)]]}
+    result = PhaseResult("tuning", [PLAIN, chain, HEAD_DEFAULTS], outputs, {}, [], "")
+    measured = {m.name: m for m in shape_measurements(result)}
+    assert set(measured) == {"none", "chain-2"}
+    assert measured["none"].tree is None and measured["none"].committed == 1.0 and measured["none"].rounds == 4
+    assert measured["none"].round_s == pytest.approx(0.010) and measured["chain-2"].committed == 2.5
+    assert pick_best(list(measured.values())).name == "chain-2"  # 8 ms / token against 10
 
 
 def test_marginal_walk_stops_at_first_step_that_does_not_pay():

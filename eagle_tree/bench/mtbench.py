@@ -289,7 +289,7 @@ def sample_run(target_folder: str, head: str, questions_per_category: int = 1, c
     """A few MT-bench turn-1 questions decoded by plain decoding, Hugging Face ``generate`` and the head's
     own default decoder (its ``decoding.json``), interleaved per question; the quickstart's chat stage.
     Returns the method rows and one answer per method for the first question."""
-    from eagle_tree.bench.runner import HEAD_DEFAULTS, HF_GENERATE, PLAIN, BenchModels, run_phase
+    from eagle_tree.bench.runner import HEAD_DEFAULTS, HF_GENERATE, PLAIN, BenchModels, head_defaults_shape, run_phase
     from eagle_tree.core.sampling import SamplingConfig
     from eagle_tree.models.gguf import load_tokenizer
     from eagle_tree.models.head import Eagle3DraftModel
@@ -322,6 +322,9 @@ def sample_run(target_folder: str, head: str, questions_per_category: int = 1, c
     from eagle_tree.bench.aggregate import method_rows
 
     rows = method_rows(result, greedy)
+    for row in rows:
+        if row["method"] == HEAD_DEFAULTS.name:
+            row["shape"] = head_defaults_shape(models.decoder(None, True), greedy)
     first = result.outputs[HEAD_DEFAULTS.name][0][0]
     answer = tokenizer.decode(first.sequences[0, ids[0].shape[1]:], skip_special_tokens=True)
     return {"questions": [p.where for p in prompts], "rows": rows, "question": questions[0].turns[0],

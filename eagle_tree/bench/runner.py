@@ -83,6 +83,14 @@ def context_only_method(tree: TreeConfig) -> Method:
 HEAD_DEFAULTS = Method("head_defaults", "eagle", use_head=True)
 
 
+def head_defaults_shape(decoder: SpeculativeDecoder, sampling: SamplingConfig) -> str:
+    """The shape column of method head_defaults: the shape the head folder's decoding.json gives this
+    kind of decoding, "none, plain decoding" where its entry declines to speculate."""
+    tree = decoder.shape_for(sampling)
+    source = "decoding.json" if decoder.defaults else "no decoding.json, TreeConfig()"
+    return f"head defaults ({source}): " + ("none, plain decoding" if tree is None else tree.name)
+
+
 @dataclass
 class BenchModels:
     """The models every method shares: one target object, its tokenizer, the head and the assistant."""
@@ -155,7 +163,8 @@ class Resume:
 
 
 def method_identity(method: Method, models: BenchModels) -> list:
-    """What a method is, for a journal key (the head's default shapes for head_defaults)."""
+    """What a method is, for a journal key (the head's default shapes for head_defaults: a None entry,
+    plain decoding, reads differently from every drafted shape and from no entry)."""
     defaults = repr(models.decoder(None, True).defaults) if method.kind == "eagle" and method.tree is None \
         and method.head else None
     return [method.name, method.kind, method.shape, repr(method.tree), method.assistant, method.prompt_lookup_tokens,

@@ -10,7 +10,11 @@ shape (a longer chain, a deeper or wider tree) with deltas ``dC``, ``dK > 0`` pa
 
     best = pick_best([ShapeMeasurement(TreeConfig.chain(3), round_s=0.030, committed=2.1), ...])
 
-Context branches (``TreeConfig.context``) are tuned the same way: a shape with context is one more
+Plain decoding is a candidate too, named ``none`` (:data:`NONE`; ``ShapeMeasurement(None, C, 1)``:
+one token per round, C its mean round time): where no draft shape's C / K is below a plain step's,
+the best is ``none`` and the head's decoding defaults say "do not speculate". It is the smallest
+shape, so a tie goes to it; the other selection keys and the marginal tables are about drafted shapes
+only. Context branches (``TreeConfig.context``) are tuned the same way: a shape with context is one more
 candidate, named ``chain-4+ctx8`` (``TreeConfig.name``). The marginal tables follow each context
 setting's own growth sequence. The serving sweep picks, per batch size, the candidate with the highest
 throughput (:func:`pick_tuned`). The bench writes its result as ``shapes.json``
@@ -28,13 +32,11 @@ from typing import TYPE_CHECKING
 
 from eagle_tree.decoding.context import ContextConfig
 from eagle_tree.decoding.drafting import TreeConfig
-from eagle_tree.decoding.shapes import SHAPES_FORMAT
+from eagle_tree.decoding.shapes import NONE, SHAPES_FORMAT
 
 if TYPE_CHECKING:
     from eagle_tree.bench.runner import PhaseResult
 
-NONE = "none"
-"""The candidate shape name of plain decoding (no draft)."""
 CHAIN_LENGTHS = (1, 2, 3, 4, 6, 8)
 """The bench's candidate chain lengths."""
 TREES = (TreeConfig(depth=4, top_k=4, total_tokens=16), TreeConfig(depth=5, top_k=6, total_tokens=32),
@@ -58,9 +60,10 @@ def candidate_shapes(chain_lengths: Iterable[int], trees: Iterable[TreeConfig],
 
 @dataclass(frozen=True)
 class ShapeMeasurement:
-    """Per-round means of one draft shape: ``round_s`` = C (seconds), ``committed`` = K (tokens)."""
+    """Per-round means of one draft shape: ``round_s`` = C (seconds), ``committed`` = K (tokens);
+    ``tree`` None is plain decoding (named :data:`NONE`, K = 1)."""
 
-    tree: TreeConfig
+    tree: TreeConfig | None
     round_s: float
     committed: float
     rounds: int = 0
@@ -74,7 +77,17 @@ class ShapeMeasurement:
 
     @property
     def name(self) -> str:
-        return self.tree.name
+        return NONE if self.tree is None else self.tree.name
+
+    @property
+    def drafted(self) -> bool:
+        """Whether the shape drafts (False: plain decoding)."""
+        return self.tree is not None
+
+    @property
+    def size(self) -> int:
+        """Draft nodes per round (0: plain decoding), the tie-break of :func:`pick_best`."""
+        return 0 if self.tree is None else self.tree.total_tokens
 
     @property
     def time_per_token(self) -> float:
@@ -82,12 +95,13 @@ class ShapeMeasurement:
         return self.round_s / self.committed
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "tree": asdict(self.tree), "round_s": self.round_s, "committed": self.committed,
-                "rounds": self.rounds, "time_per_token_s": self.time_per_token}
+        return {"name": self.name, "tree": None if self.tree is None else asdict(self.tree), "round_s": self.round_s,
+                "committed": self.committed, "rounds": self.rounds, "time_per_token_s": self.time_per_token}
 
     @classmethod
     def from_dict(cls, d: dict) -> ShapeMeasurement:
-        return cls(TreeConfig(**d["tree"]), float(d["round_s"]), float(d["committed"]), int(d.get("rounds", 0)))
+        tree = None if d["tree"] is None else TreeConfig(**d["tree"])
+        return cls(tree, float(d["round_s"]), float(d["committed"]), int(d.get("rounds", 0)))
 
 
 def change_helps(round_s: float, committed: float, d_round_s: float, d_committed: float) -> bool:
@@ -109,11 +123,12 @@ def change_helps(round_s: float, committed: float, d_round_s: float, d_committed
 
 
 def pick_best(measurements: Sequence[ShapeMeasurement]) -> ShapeMeasurement:
-    """The shape with the lowest C / K; ties go to the smaller shape (fewer draft nodes), then the earlier."""
+    """The shape with the lowest C / K; ties go to the smaller shape (fewer draft nodes; plain decoding,
+    ``none``, has none, so it wins every tie), then the earlier."""
     if not measurements:
         raise ValueError("pick_best needs at least one measured shape")
     order = range(len(measurements))
-    best = min(order, key=lambda i: (measurements[i].time_per_token, measurements[i].tree.total_tokens, i))
+    best = min(order, key=lambda i: (measurements[i].time_per_token, measurements[i].size, i))
     return measurements[best]
 
 
@@ -157,26 +172,29 @@ def grow_while_helps(growth: Sequence[ShapeMeasurement]) -> ShapeMeasurement:
 
 
 def growth_order(measurements: Sequence[ShapeMeasurement]) -> list[ShapeMeasurement]:
-    """Measurements sorted by size: draft nodes, then depth, then top-k."""
-    return sorted(measurements, key=lambda m: (m.tree.total_tokens, m.tree.depth, m.tree.top_k))
+    """Drafted measurements sorted by size: draft nodes, then depth, then top-k (plain decoding left out)."""
+    drafted = [m for m in measurements if m.drafted]
+    return sorted(drafted, key=lambda m: (m.tree.total_tokens, m.tree.depth, m.tree.top_k))
 
 
 # ------------------------------------------------------------------------------- the tuning file
 
 
 def selection(measurements: Sequence[ShapeMeasurement]) -> dict[str, ShapeMeasurement]:
-    """The best chain, the best tree and the best of all; when context settings were measured, also
-    the best head shape without context (``no_context``), with it (``context``), the best context-only
-    shape (``context_only``, no head) and the best chain and tree without context (``head_only_chain``,
-    ``head_only_tree``). Keys present only when measured."""
+    """The best chain, the best tree and the best of all (``best``, which may be plain decoding,
+    ``none``); when context settings were measured, also the best head shape without context
+    (``no_context``), with it (``context``), the best context-only shape (``context_only``, no head) and
+    the best chain and tree without context (``head_only_chain``, ``head_only_tree``). Every key but
+    ``best`` names a drafted shape. Keys present only when measured."""
     chosen = {"best": pick_best(measurements)}
-    drafted = [m for m in measurements if m.tree.head]
+    shapes = [m for m in measurements if m.drafted]
+    drafted = [m for m in shapes if m.tree.head]
     groups = {
         "chain": [m for m in drafted if m.tree.is_chain],
         "tree": [m for m in drafted if not m.tree.is_chain],
         "no_context": [m for m in drafted if m.tree.context is None],
         "context": [m for m in drafted if m.tree.context is not None],
-        "context_only": [m for m in measurements if not m.tree.head],
+        "context_only": [m for m in shapes if not m.tree.head],
         "head_only_chain": [m for m in drafted if m.tree.is_chain and m.tree.context is None],
         "head_only_tree": [m for m in drafted if not m.tree.is_chain and m.tree.context is None],
     }
@@ -193,8 +211,8 @@ def _growth_sequences(measurements: Sequence[ShapeMeasurement]) -> dict[str, lis
     """Chains and trees, each context setting apart: ``chain``, ``tree``, ``chain+ctx8``, ..."""
     sequences: dict[str, list[ShapeMeasurement]] = {"chain": [], "tree": []}
     for m in measurements:
-        if not m.tree.head:
-            continue  # context alone: nothing to grow
+        if not m.drafted or not m.tree.head:
+            continue  # plain decoding or context alone: nothing to grow
         kind = "chain" if m.tree.is_chain else "tree"
         if m.tree.context is not None:
             kind += f"+{m.tree.context.name}"
@@ -227,11 +245,14 @@ def _step_dict(step: MarginalStep) -> dict:
 
 
 def shape_measurements(result: PhaseResult) -> list[ShapeMeasurement]:
-    """Per-round means C (seconds) and K (committed tokens) of every eagle shape of a phase."""
+    """Per-round means C (seconds) and K (committed tokens) of every eagle shape of a phase, and of
+    plain decoding in eagle-tree's loop (the eagle method without tree or head: :data:`NONE`, one token
+    a round) when the phase ran it."""
     measured = []
     for method in result.methods:
-        if method.kind != "eagle" or method.tree is None or not method.head:
-            continue
+        plain, shape = method.tree is None and not method.head, method.tree is not None and method.head
+        if method.kind != "eagle" or not (plain or shape):
+            continue  # an HF method, the head folder's defaults or a context-only method of the comparison
         rounds = [r for rep in result.outputs[method.name] for o in rep for r in o.rounds]
         if not rounds:
             raise ValueError(f"{method.name} ran no speculative round; raise max_new_tokens")

@@ -1,9 +1,11 @@
 """``eagle-tree bench``: eagle-tree against Hugging Face baselines, side by side in one run.
 
-1. Tuning: every candidate draft shape (``chain_lengths`` and ``trees``) decodes the tuning prompts;
-   per shape the mean round time C and mean committed tokens K give C / K, and the shape with the
-   lowest C / K is selected per kind (eagle_tree.decoding.shapes). The result goes to ``shapes.json``, which
-   ``eagle-tree decode mode=auto shapes=...`` reads.
+1. Tuning: every candidate draft shape (``chain_lengths`` and ``trees``) and plain decoding (``none``:
+   one token a round) decode the tuning prompts; per shape the mean round time C and mean committed
+   tokens K give C / K, and the shape with the lowest C / K is selected per kind (eagle_tree.bench.tuning);
+   the best of all may be ``none``, so the defaults it writes can say "do not speculate". The result goes
+   to ``shapes.json``, which ``eagle-tree decode mode=auto shapes=...`` reads, and the best to
+   ``decoding.json``.
 2. Test: on the test prompts (never the tuning ones), every method runs with the same target object,
    prompts, sampling settings, seeds and output budget, interleaved and repeated: plain decoding in
    eagle-tree's loop (the speed-up denominator), HF ``generate``, HF assisted generation, HF prompt
@@ -91,7 +93,8 @@ class BenchConfig(GenerationOptions):
     """Fixed draft length for HF assisted generation, without HF's confidence stop (null: HF's own heuristics)."""
     head_defaults: bool = False
     """Write the tuned best shape into the head folder's decoding.json (greedy or sampling entry), the
-    defaults of SpeculativeDecoder(target, head); it is always written to output_dir/decoding.json."""
+    defaults of SpeculativeDecoder(target, head); it is always written to output_dir/decoding.json. The best
+    may be plain decoding (`none`: no shape beat a plain step), which the default decoder then uses."""
     output_dir: str = "results/bench"
     """Where bench.json, bench.md, the plots, shapes.json and config.yaml go (a new or empty folder, or an
     earlier bench's: files of the same names that something else wrote are never replaced)."""
@@ -167,15 +170,17 @@ def _decoding_folders(cfg: BenchConfig, out_dir: Path) -> list[Path]:
 
 
 def tune_shapes(cfg: BenchConfig, models, tuning_ids, out_dir: Path, resume=None, **common):
-    """Run every candidate shape on the tuning prompts; write shapes.json; return (its dict, selection)."""
-    from eagle_tree.bench.runner import eagle_method, run_phase
+    """Run every candidate shape and plain decoding (the candidate ``none``) on the tuning prompts; write
+    shapes.json and the best into decoding.json; return (the tuning's dict, selection)."""
+    from eagle_tree.bench.runner import PLAIN, eagle_method, run_phase
     from eagle_tree.bench.tuning import save_tuned_shapes, selection, shape_measurements
     from eagle_tree.decoding.shapes import save_decoding_defaults
 
     shapes = candidate_shapes(cfg)
-    print(f"tuning {len(shapes)} shapes on {len(tuning_ids)} prompts x {cfg.tuning_repeats} ({cfg.tuning_prompts})")
-    result = run_phase("tuning", [eagle_method(s) for s in shapes], models, tuning_ids, cfg.tuning_repeats,
-                       resume=resume, **common)
+    print(f"tuning {len(shapes)} shapes and plain decoding on {len(tuning_ids)} prompts x {cfg.tuning_repeats} "
+          f"({cfg.tuning_prompts})")
+    result = run_phase("tuning", [PLAIN] + [eagle_method(s) for s in shapes], models, tuning_ids,
+                       cfg.tuning_repeats, resume=resume, **common)
     measured = shape_measurements(result)
     tuning = save_tuned_shapes(out_dir / "shapes.json", measured, temperature=cfg.sampling.temperature,
                                prompts=cfg.tuning_prompts, n_prompts=len(tuning_ids),
@@ -202,7 +207,7 @@ def run(cfg: BenchConfig) -> int:
 
     from eagle_tree.bench.aggregate import method_rows
     from eagle_tree.bench.machine import conditions
-    from eagle_tree.bench.runner import eagle_method, run_phase
+    from eagle_tree.bench.runner import HEAD_DEFAULTS, PLAIN, eagle_method, head_defaults_shape, run_phase
     from eagle_tree.bench.timing import Stopped
     from eagle_tree.data.tiny import build_tiny_assets
     from eagle_tree.utils.checks import InputError
@@ -278,7 +283,10 @@ def run(cfg: BenchConfig) -> int:
         return STOPPED
     rows = method_rows(result, cfg.sampling)
     for row in rows:
-        row["selected_as"] = sorted(k for k, m in chosen.items() if row["tree"] and m.name == row["method"])
+        row["selected_as"] = sorted(k for k, m in chosen.items() if (row["tree"] and m.name == row["method"])
+                                    or (not m.drafted and row["method"] == PLAIN.name))  # best none: plain's row
+        if row["method"] == HEAD_DEFAULTS.name:  # the shape the head folder's decoding.json gave this decoding
+            row["shape"] = head_defaults_shape(models.decoder(None, True), cfg.sampling)
 
     # 3. the report
     report = {"conditions": conditions(models, cfg.dtype), "config": config_to_dict(cfg), "tuning": tuning,
@@ -304,7 +312,9 @@ def run(cfg: BenchConfig) -> int:
                         if isinstance(v, int | float) and not isinstance(v, bool)})
         for path in plots:
             logger.log_image(f"bench/{path.stem}", path)
-    selected = f"; {chosen['best'].name} selected in shapes.json" if chosen else ""
+    best = chosen.get("best")
+    selected = "" if best is None else f"; {best.name} selected in shapes.json" + (
+        "" if best.drafted else " (plain decoding: no draft shape beat a plain step)")
     print(f"results in {out_dir}/: bench.json, bench.md, config.yaml{', PNG plots' if plots else ''}{selected}")
     return 0
 
@@ -411,7 +421,7 @@ def markdown_report(report: dict) -> str:
                   "ran together, blocks of different sittings may have seen different machine states.", ""]
     if report["tuning"]:
         t = report["tuning"]
-        lines += ["## Tuning (draft shape by lowest C / K)", "",
+        lines += ["## Tuning (draft shape by lowest C / K; none: plain decoding, one token a round)", "",
                   "| shape | rounds | C ms/round | K tokens/round | C/K ms | selected |", "|---|---|---|---|---|---|"]
         for s in t["shapes"]:
             sel = ", ".join(k for k, n in t["selected"].items() if n == s["name"])

@@ -61,9 +61,10 @@ class DecodeConfig(GenerationOptions):
     """EAGLE-3 draft head folder; null for plain decoding."""
     mode: Literal["tree", "chain", "plain", "auto", "default"] = "tree"
     """tree: dynamic tree (the `tree` section); chain: `chain_length` tokens; plain: no draft; auto: the
-    shape `eagle-tree bench` selected (lowest time per output token on its tuning prompts), read from `shapes`;
-    default: the head's own default decoder, the shapes of its folder's decoding.json (one for greedy
-    decoding, one for sampling, context branches included)."""
+    shape `eagle-tree bench` selected (lowest time per output token on its tuning prompts), read from `shapes`
+    (plain decoding where it selected `none`); default: the head's own default decoder, the shapes of its
+    folder's decoding.json (one for greedy decoding, one for sampling, context branches included; an entry
+    `none` decodes plainly)."""
     tree: TreeConfig = field(default_factory=TreeConfig)
     """Dynamic-tree shape: depth, top_k, total_tokens, sampled (Gumbel-top-k children)."""
     chain_length: int = 5
@@ -163,7 +164,9 @@ def run(cfg: DecodeConfig) -> int:
             for length in out.acceptance_lengths:
                 logger.log({"decode/acceptance_length": length}, step=step)
                 step += 1
-        depth = 0 if cfg.mode == "plain" else decoder.tree.depth  # after generate: mode=default picks per sampling
+        # mode=default picks its shape per kind of decoding; None, or no head and no context: plain decoding
+        shape = None if cfg.mode == "plain" else decoder.shape_for(cfg.sampling)
+        depth = 0 if shape is None or (decoder.draft is None and shape.context is None) else shape.depth
         summary = summarize(cfg.mode, cfg.sampling.temperature, outputs, depth=depth)
         lengths = [n for o in outputs for n in o.acceptance_lengths]
         if lengths:

@@ -203,11 +203,14 @@ def compare(cfg: QuickstartConfig, head_dir: Path):
         decoders = {("plain", None): SpeculativeDecoder(target)}
         decoders |= {(m, name): SpeculativeDecoder(tgt, head, tree=shape)
                      for name, (head, tgt) in heads.items() for m, shape in shapes.items()}
+        default_shape = None
         if "shipped" in heads:  # the shipped head's own default decoder: the shapes of its decoding.json
             default = SpeculativeDecoder(heads["shipped"][1], heads["shipped"][0])
-            shape = default.defaults.get("greedy" if sampling.greedy else "sampling")
-            if shape is not None:  # and the same shape drafted by the fresh head: only the head differs
-                decoders[("default", "fresh")] = SpeculativeDecoder(target, heads["fresh"][0], tree=shape)
+            kind = "greedy" if sampling.greedy else "sampling"
+            if kind in default.defaults:  # and the same shape drafted by the fresh head: only the head differs
+                default_shape = default.defaults[kind]  # None: the entry is plain decoding, for both heads
+                decoders[("default", "fresh")] = SpeculativeDecoder(target) if default_shape is None else \
+                    SpeculativeDecoder(target, heads["fresh"][0], tree=default_shape)
                 decoders[("default", "shipped")] = default
         calls = {key: (lambda i, dec=dec, sampling=sampling: dec.generate(prompt_ids[i], cfg.max_new_tokens, sampling,
                                                                           seed=cfg.seed + i))
@@ -215,10 +218,11 @@ def compare(cfg: QuickstartConfig, head_dir: Path):
         outs = {key: [t.value for t in runs] for key, runs in interleave(calls, len(prompt_ids)).items()}
         plain_tpot = None
         for (method, head_name), method_outs in outs.items():
-            shape = decoders[(method, head_name)].shape_for(sampling) if method == "default" else shapes.get(method)
+            shape = default_shape if method == "default" else shapes.get(method)
             s = summarize(method, temperature, method_outs, depth=0 if shape is None else shape.depth).to_dict()
             s["head"] = head_name
-            s["shape"] = "no draft" if shape is None else shape.name
+            s["shape"] = ("none, plain decoding" if method == "default" else "no draft") if shape is None else \
+                shape.name
             plain_tpot = s["time_per_output_token_s"] if method == "plain" else plain_tpot
             s["speedup"] = plain_tpot / s["time_per_output_token_s"]
             if temperature == 0.0:

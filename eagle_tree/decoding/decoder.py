@@ -66,7 +66,9 @@ class SpeculativeDecoder:
     """Speculative decoding of ``target`` with an EAGLE-3 ``draft`` head (None: plain decoding).
 
     ``tree``: the draft shape; without it, the shapes in the head folder's ``decoding.json`` (one for
-    greedy decoding, one for sampling; decoding/shapes.py, ``shape_for``), else ``TreeConfig()``.
+    greedy decoding, one for sampling; decoding/shapes.py, ``shape_for``), else ``TreeConfig()``. An
+    entry of ``decoding.json`` may be plain decoding (``none``, read as None): that kind of decoding
+    then runs without a drafter, and ``tree`` is None when the greedy entry is plain.
     ``tree.context`` adds context branches (decoding/context.py); with no head they draft alone.
     ``drafter`` replaces the head-driven drafter with a ``SequenceDrafter`` (``reset()``,
     ``catch_up(features, next_tokens)``, ``propose(sampling, generator) -> Proposal``) or a
@@ -83,10 +85,11 @@ class SpeculativeDecoder:
         if draft is not None:
             draft.bind_target(self.target)
             draft.eval()
-        # without tree=, the head folder's decoding.json (greedy and sampling shapes), else TreeConfig()
+        # without tree=, the head folder's decoding.json (greedy and sampling shapes; None: plain
+        # decoding), else TreeConfig()
         self.defaults = {} if tree is not None or drafter is not None else load_decoding_defaults(
             getattr(draft, "pretrained_path", None))
-        self.tree = tree or self.defaults.get("greedy") or TreeConfig()
+        self.tree: TreeConfig | None = tree if tree is not None else self.defaults.get("greedy", TreeConfig())
         if drafter is not None and not isinstance(drafter, RoundDrafter | SequenceDrafter):
             raise TypeError(f"drafter {type(drafter).__name__} lacks reset / catch_up / propose (SequenceDrafter)")
         self._custom = drafter
@@ -100,28 +103,34 @@ class SpeculativeDecoder:
         None: plain decoding)."""
         return self._custom if self._custom is not None else self._kept_drafter(self.tree)
 
-    def shape_for(self, sampling: SamplingConfig) -> TreeConfig:
+    def shape_for(self, sampling: SamplingConfig) -> TreeConfig | None:
         """The draft shape for this kind of decoding: the head folder's shape for greedy decoding or for
-        sampling, else the decoder's."""
-        return self.defaults.get("greedy" if sampling.greedy else "sampling") or self.tree
+        sampling, else the decoder's; None where that default is plain decoding (``none``)."""
+        kind = "greedy" if sampling.greedy else "sampling"
+        return self.defaults[kind] if kind in self.defaults else self.tree
 
-    def _new_drafter(self, tree: TreeConfig) -> RoundDrafter | None:
+    def _new_drafter(self, tree: TreeConfig | None) -> RoundDrafter | None:
         """A fresh drafter of ``tree``'s shape: the head's, with context branches if configured, or
-        context branches alone (no head, or a context-only shape); None without either (plain decoding)."""
+        context branches alone (no head, or a context-only shape); None without either, or for ``tree``
+        None (plain decoding)."""
+        if tree is None:
+            return None
         drafter = None if self.draft is None or not tree.head else Drafter(self.draft, tree)
         if tree.context is not None:  # context branches; no head: context only
             drafter = ContextDrafter(drafter, tree.context)
         return drafter
 
-    def _kept_drafter(self, tree: TreeConfig) -> RoundDrafter | None:
+    def _kept_drafter(self, tree: TreeConfig | None) -> RoundDrafter | None:
+        if tree is None:  # plain decoding: nothing to keep
+            return None
         if tree not in self._kept:
             self._kept[tree] = self._new_drafter(tree)
         return self._kept[tree]
 
-    def _drafters(self, tree: TreeConfig, one_request: bool):
-        """The loop's factory of drafters for n requests, or None (plain decoding): for one request the
-        ``drafter=`` object (as one request) or the decoder's kept drafter of ``tree``, reset; for several,
-        a fresh drafter of ``tree`` per admission."""
+    def _drafters(self, tree: TreeConfig | None, one_request: bool):
+        """The loop's factory of drafters for n requests, or None (plain decoding, ``tree`` None among
+        them): for one request the ``drafter=`` object (as one request) or the decoder's kept drafter of
+        ``tree``, reset; for several, a fresh drafter of ``tree`` per admission."""
         if self._custom is not None:
             kept = self._custom if isinstance(self._custom, RoundDrafter) else OneSequence(self._custom)
         elif self._kept_drafter(tree) is None:
@@ -211,7 +220,7 @@ class SpeculativeDecoder:
                                  "the prompt")
         sampling = sampling or SamplingConfig(temperature=0.0)
         eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
-        tree = self.shape_for(sampling)
+        tree = self.shape_for(sampling)  # None: this kind of decoding defaults to plain decoding, no drafter
         new_drafter = self._drafters(tree, one_request=len(requests) == 1)
         tree_slots = 1 + (0 if new_drafter is None else tree.total_tokens
                           + (0 if tree.context is None else tree.context.max_nodes))

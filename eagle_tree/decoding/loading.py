@@ -23,7 +23,8 @@ def check_head_path(head: str) -> None:
 def load_decoder(target: str, head: str | None, mode: str, dtype: str, tree: TreeConfig,
                  shapes: str | None = None, prepack: bool = False, head_int8: bool = False):
     """(SpeculativeDecoder, tokenizer). ``mode``: "plain" (no head), "tree" / "chain" (``tree``), "auto"
-    (the shape a bench tuning file ``shapes`` selected) or "default" (the head folder's decoding.json).
+    (the shape a bench tuning file ``shapes`` selected; plain decoding where it selected ``none``) or
+    "default" (the head folder's decoding.json, whose entries may be plain decoding too).
     The target path, the head path and the head's weights are checked first. ``prepack``: the target's
     linear layers get packed weights for forwards of several rows (eagle_tree.models.prepack). ``head_int8``:
     the head drafts with an int8 copy of its lm_head (eagle_tree.models.quantize)."""
@@ -66,6 +67,8 @@ def load_decoder(target: str, head: str | None, mode: str, dtype: str, tree: Tre
 
         with reading(f"shapes={shapes}", "rerun `eagle-tree bench` to write it, or point shapes= at its file"):
             tree = load_tuned_shape(shapes)
+        if tree is None:  # the tuning found no draft shape faster than plain decoding
+            return SpeculativeDecoder(model), tokenizer
     if mode == "default":
         defaults = Path(head) / "decoding.json"
         with reading(f"{defaults} (the head's decoding defaults)", "delete it or rewrite it with `eagle-tree bench "
