@@ -43,6 +43,7 @@ from eagle_tree.models.gguf import (
     load_gguf_model,
     load_tokenizer,
 )
+from eagle_tree.models.grouped_attention import GROUPED_SDPA
 from eagle_tree.models.head import Eagle3DraftModel
 from eagle_tree.models.target import TargetModel
 from tests.test_decoder_exactness import GREEDY, SHAPES, WIDTH, ScriptedDrafter, _accept_everything, _expected_lengths
@@ -161,7 +162,7 @@ def test_tokenizer_corrects_a_converter_disagreement(tiny, tmp_path, monkeypatch
 def test_target_model_from_pretrained_on_the_gguf_path(tiny, model, ids):
     target = TargetModel.from_pretrained(str(tiny.path))
     assert target.vocab_size == tiny.vocab_size and target.num_layers == 4
-    assert target.model.config._attn_implementation == "sdpa"
+    assert target.model.config._attn_implementation == GROUPED_SDPA  # sdpa, the query groups packed
     assert torch.allclose(_logits(target.model, ids), _logits(model, ids), atol=1e-5, rtol=0)
 
 

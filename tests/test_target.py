@@ -15,14 +15,16 @@ from transformers import LlamaConfig
 
 from eagle_tree.core.tree import Tree
 from eagle_tree.data.tiny import FAMILIES, tiny_causal_lm
+from eagle_tree.models.grouped_attention import GROUPED_SDPA, grouped_sdpa_attention, register
 from eagle_tree.models.head_config import default_feature_layers
 from eagle_tree.models.target import TargetModel, TargetOutput
 
 ATOL = 1e-5
 VOCAB = 128
 
-# (family, attention implementation): all families under eager, llama under sdpa too
-CASES = [(f, "eager") for f in FAMILIES] + [("llama", "sdpa")]
+register()
+# (family, attention implementation): all families under eager, llama under sdpa and grouped sdpa too
+CASES = [(f, "eager") for f in FAMILIES] + [("llama", "sdpa"), ("llama", GROUPED_SDPA), ("qwen2", GROUPED_SDPA)]
 CASE_IDS = [f"{f}-{impl}" for f, impl in CASES]
 
 # depth 3, several children per node: 3 children of the root, 2-3 children of inner nodes
@@ -255,7 +257,7 @@ def test_default_feature_layers_need_three_layers():
 
 
 def test_attention_without_custom_masks_is_rejected():
-    with pytest.raises(ValueError, match="'flex_attention'.*attn_implementation='eager' or 'sdpa'"):
+    with pytest.raises(ValueError, match="'flex_attention'.*attn_implementation='eager', 'sdpa' or"):
         TargetModel(tiny_causal_lm(attn_implementation="flex_attention"))
     model = tiny_causal_lm()
     model.config._attn_implementation = "flash_attention_2"  # as if loaded that way (no flash-attn here)
@@ -308,3 +310,59 @@ def test_forward_masks_and_hook_cleanup():
     with pytest.raises(IndexError):  # token id out of the vocabulary: fails inside the model
         target.forward(torch.tensor([[VOCAB + 1]]), target.new_cache())
     assert all(len(layer._forward_pre_hooks) == 0 for layer in target._layers)
+
+
+# --------------------------------------------------------------------------- grouped-query attention
+
+
+def _grouped_and_sdpa(family: str):
+    return _target(family, GROUPED_SDPA), _target(family, "sdpa")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_grouped_sdpa_verifies_exactly_as_sdpa(family):
+    """Packing the query groups (no repeat of the cache) gives bit-identical logits and features to
+    transformers' sdpa: one request with a tree, and two requests of different lengths (a mask per request)."""
+    grouped, sdpa = _grouped_and_sdpa(family)
+    assert grouped.model.config.num_attention_heads > grouped.model.config.num_key_value_heads  # GQA
+    tree = Tree(PARENTS, _tokens(len(PARENTS), seed=3))
+    prefix = _tokens(9, seed=4)
+    outs = [m.verify([prefix[-1]], [tree], _prefilled(m, prefix)) for m in (grouped, sdpa)]
+    assert torch.equal(outs[0].logits, outs[1].logits) and torch.equal(outs[0].features, outs[1].features)
+    prompts = [_tokens(7, seed=5), _tokens(4, seed=6)]
+    trees = [tree, Tree([-1, 0, 0], _tokens(3, seed=7))]
+    batched = []
+    for m in (grouped, sdpa):
+        cache = m.new_cache(requests=2)
+        m.prefill(prompts, cache)
+        batched.append(m.verify([p[-1] for p in prompts], trees, cache))
+    assert torch.equal(batched[0].logits, batched[1].logits)
+
+
+def test_grouped_sdpa_negative_control():
+    """Query heads packed in the wrong order (kv heads and groups swapped) change the outputs: the
+    comparison above can fail."""
+    model = _model("llama", "sdpa")
+    attn = model.model.layers[0].self_attn
+    groups = attn.num_key_value_groups
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 5, 16, generator=g)
+    k, v = (torch.randn(1, 2, 9, 16, generator=g) for _ in range(2))
+    mask = torch.zeros(1, 1, 5, 9).masked_fill(torch.rand(1, 1, 5, 9, generator=g) < 0.3, float("-inf"))
+    mask[..., -5:] = 0.0
+    right, _ = grouped_sdpa_attention(attn, q, k, v, mask, scaling=0.25)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    ref, _ = sdpa_attention_forward(attn, q, k, v, mask, scaling=0.25)
+    assert groups == 2 and torch.allclose(right, ref, atol=1e-6, rtol=0)
+    swapped = q.reshape(1, groups, 2, 5, 16).transpose(1, 2).reshape(1, 4, 5, 16)  # head order g*r mixed up
+    wrong, _ = grouped_sdpa_attention(attn, swapped, k, v, mask, scaling=0.25)
+    assert not torch.allclose(wrong, ref, atol=1e-3, rtol=0)
+    one = grouped_sdpa_attention(attn, q[:, :, :1], k, v, None, scaling=0.25)[0]  # one token: transformers' path
+    assert torch.allclose(one, sdpa_attention_forward(attn, q[:, :, :1], k, v, None, scaling=0.25)[0], atol=1e-6)
+
+
+def test_from_pretrained_uses_grouped_sdpa_by_default(tmp_path):
+    _model("llama").save_pretrained(tmp_path)
+    target = TargetModel.from_pretrained(str(tmp_path), feature_layers=(1, 2, 3))
+    assert target.model.config._attn_implementation == GROUPED_SDPA

@@ -25,10 +25,12 @@ attached to the model between calls and only those three tensors are kept.
 
 Supported models (checked at construction, see ``_check_supported``): the forward takes
 ``attention_mask``, ``position_ids`` and ``cache`` by name; the attention implementation is
-``"eager"`` or ``"sdpa"`` (the ones that add a custom 4D float mask as given: flash attention ignores
-custom masks and flex attention wants a ``BlockMask``); the decoder layers are reachable as
-``model.get_decoder().layers``; and the attention layers are either all full or all sliding-window
-with one window size (mixed layer types would need one mask per layer type).
+``"eager"``, ``"sdpa"`` or ``GROUPED_SDPA`` (sdpa with the query groups packed instead of the
+cache repeated, :mod:`eagle_tree.models.grouped_attention`: the ones that add a custom 4D float mask
+as given; flash attention ignores custom masks and flex attention wants a ``BlockMask``); the
+decoder layers are reachable as ``model.get_decoder().layers``; and the attention layers are either
+all full or all sliding-window with one window size (mixed layer types would need one mask per layer
+type).
 """
 
 from __future__ import annotations
@@ -42,9 +44,10 @@ import torch
 
 from eagle_tree.core.tree import Tree
 from eagle_tree.models.cache import MIN_CAPACITY, TargetCache
+from eagle_tree.models.grouped_attention import GROUPED_SDPA
 from eagle_tree.models.head_config import check_feature_layers, default_feature_layers
 
-SUPPORTED_ATTENTION = ("eager", "sdpa")
+SUPPORTED_ATTENTION = ("eager", "sdpa", GROUPED_SDPA)
 REQUIRED_FORWARD_INPUTS = ("attention_mask", "position_ids", "cache")
 
 
@@ -92,7 +95,8 @@ def _check_supported(model) -> None:
     if impl not in SUPPORTED_ATTENTION:
         raise ValueError(
             f"attention implementation {impl!r} cannot take the custom 4D float attention mask that tree "
-            f"verification needs; load the model with attn_implementation='eager' or 'sdpa'"
+            f"verification needs; load the model with attn_implementation='eager', 'sdpa' or {GROUPED_SDPA!r} "
+            "(eagle_tree.models.grouped_attention)"
         )
 
 
@@ -126,12 +130,14 @@ class TargetModel:
         **kwargs,
     ) -> TargetModel:
         """Load a hub id, a local folder or a ``.gguf`` file (or a folder with ``gguf_file=NAME``) through
-        :func:`eagle_tree.models.gguf.load_causal_lm` (sdpa attention unless ``attn_implementation`` is
-        given in ``kwargs``, e.g. ``device_map``), in eval mode. ``prepack``: CPU float32 linear layers
+        :func:`eagle_tree.models.gguf.load_causal_lm` (sdpa attention with packed query groups,
+        :mod:`eagle_tree.models.grouped_attention`, unless ``attn_implementation`` is given in ``kwargs``,
+        e.g. ``device_map``), in eval mode. ``prepack``: CPU float32 linear layers
         get a oneDNN-packed weight for forwards of several rows (:mod:`eagle_tree.models.prepack`)."""
         from eagle_tree.models.gguf import load_causal_lm
+        from eagle_tree.models.grouped_attention import register
 
-        kwargs.setdefault("attn_implementation", "sdpa")
+        kwargs.setdefault("attn_implementation", register())
         model = load_causal_lm(name_or_path, dtype=dtype, **kwargs)
         if prepack:
             from eagle_tree.models.prepack import prepack_linears
