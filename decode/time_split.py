@@ -3,7 +3,7 @@
 Usage: python decode/time_split.py [--target assets/reference/target] [--head assets/reference/head]
        [--prompts assets/reference/prompts/test.jsonl] [--limit 4] [--new-tokens 64] [--repeats 2]
        [--shapes plain chain-2 tree-d3k3n8] [--temperature 0.0] [--threads 2] [--compile] [--seed 0]
-       [--prepack off|on|both] [--head-int8 off|on|both]
+       [--prepack off|on|rows|both|one-row] [--head-int8 off|on|both]
 
 Decodes the same prompts with each shape and with Hugging Face ``generate`` (interleaved, after one
 warm-up call each) and prints one row per shape, side by side:
@@ -19,10 +19,12 @@ warm-up call each) and prints one row per shape, side by side:
   greedy or sampled with the same settings, EOS disabled), the honest denominator's check.
 
 ``--prepack both`` runs every shape on a second copy of the target whose linear layers hold oneDNN-packed
-weights for forwards of several rows (eagle_tree.models.prepack; rows named ``SHAPE prepacked``), interleaved
+weights for every forward (eagle_tree.models.prepack; rows named ``SHAPE prepacked``), interleaved
 with the first, so the two kernels are compared under the same conditions; speed-ups stay against the
-first copy's plain decoding. ``--head-int8 both`` likewise runs every head shape a second time with an
-int8 copy of the head's lm_head (eagle_tree.models.quantize; rows named ``SHAPE int8``).
+first copy's plain decoding. ``rows`` packs for forwards of several rows only (``prepack_one_row=False``,
+rows named ``SHAPE prepacked-rows``), and ``one-row`` compares that copy (first) with the packed one.
+``--head-int8 both`` likewise runs every head shape a second time with an int8 copy of the head's
+lm_head (eagle_tree.models.quantize; rows named ``SHAPE int8``).
 
 EOS is ignored so every call produces ``--new-tokens`` tokens. At temperature 0 every shape is also
 checked to give plain decoding's tokens. The default run (4 prompts, 64 tokens, 2 repeats) takes about
@@ -71,8 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="SpeculativeDecoder(compile=True)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prepack", choices=["off", "on", "both"], default="off",
-                   help="the target's linear layers with packed weights (eagle_tree.models.prepack)")
+    p.add_argument("--prepack", choices=["off", "on", "rows", "both", "one-row"], default="off",
+                   help="the target's linear layers with packed weights (eagle_tree.models.prepack): on = every "
+                        "forward, rows = several rows only, both = off and on, one-row = rows and on")
     p.add_argument("--head-int8", choices=["off", "on", "both"], default="off",
                    help="the head's lm_head with an int8 copy (eagle_tree.models.quantize)")
     return p.parse_args(argv)
@@ -106,11 +109,14 @@ def main(argv=None) -> None:
     shapes = {name: parse_shape(name) for name in args.shapes}
     if "plain" not in shapes:
         shapes = {"plain": None, **shapes}
-    kernels = {"off": [""], "on": [" prepacked"], "both": ["", " prepacked"]}[args.prepack]
+    kernels = {"off": [""], "on": [" prepacked"], "rows": [" prepacked-rows"], "both": ["", " prepacked"],
+               "one-row": [" prepacked-rows", " prepacked"]}[args.prepack]
+    packing = {"": {}, " prepacked": {"prepack": True},
+               " prepacked-rows": {"prepack": True, "prepack_one_row": False}}
     options = {"compile": True} if args.compile else {}  # without it, the script also runs on older checkouts
     decoders, trees = {}, {}
     for suffix in kernels:  # prepack= only when asked, so the script also runs on older checkouts
-        target = TargetModel.from_pretrained(args.target, **({"prepack": True} if suffix else {}))
+        target = TargetModel.from_pretrained(args.target, **packing[suffix])
         for int8 in {"off": [""], "on": [" int8"], "both": ["", " int8"]}[args.head_int8]:
             head = Eagle3DraftModel.from_pretrained(args.head, target=target)
             if int8:

@@ -1,6 +1,7 @@
-"""Prepacked linear layers (eagle_tree.models.prepack): the one-row path is untouched, several rows
-agree to float32 rounding, and speculative greedy decoding on a prepacked target still equals plain
-greedy decoding, with a negative control showing the check runs through the packed path."""
+"""Prepacked linear layers (eagle_tree.models.prepack): every row count (or, with ``one_row=False``, every
+count but one) runs through the packed copy and agrees with ``F.linear`` to float32 rounding, and
+speculative greedy decoding on a prepacked target still equals plain greedy decoding, with a negative
+control showing the check runs through the packed path."""
 
 from __future__ import annotations
 
@@ -26,10 +27,10 @@ SHAPES = {"chain": (TreeConfig.chain(length=4), 1), "tree": (TreeConfig(depth=4,
 
 
 @functools.cache
-def _models() -> tuple[nn.Module, nn.Module]:
+def _models(one_row: bool = True) -> tuple[nn.Module, nn.Module]:
     plain = tiny_causal_lm("llama", vocab_size=VOCAB, initializer_range=0.2, seed=0).eval()
     packed = copy.deepcopy(plain)
-    assert prepack_linears(packed) == sum(type(m) is nn.Linear for m in plain.modules()) > 0
+    assert prepack_linears(packed, one_row=one_row) == sum(type(m) is nn.Linear for m in plain.modules()) > 0
     return plain, packed
 
 
@@ -38,15 +39,23 @@ def _reference(n: int) -> list[int]:
     return out.sequences[0].tolist()
 
 
-def test_one_row_is_the_linear_itself_and_more_rows_agree_to_rounding():
+def test_one_row_is_the_linear_itself_only_when_asked_and_more_rows_agree_to_rounding():
     torch.manual_seed(0)
     linear = nn.Linear(64, 96)
-    packed = PackedLinear(linear)
+    packed, rows_only = PackedLinear(linear), PackedLinear(linear, one_row=False)
     with torch.no_grad():
         one = torch.randn(1, 1, 64)
-        assert torch.equal(packed(one), linear(one))  # the plain decoding step: the same kernel
+        assert torch.equal(rows_only(one), linear(one))  # one_row=False: the matrix-vector kernel itself
+        torch.testing.assert_close(packed(one), linear(one), rtol=1e-5, atol=1e-5)
         rows = torch.randn(1, 7, 64)
-        torch.testing.assert_close(packed(rows), linear(rows), rtol=1e-5, atol=1e-5)
+        for module in (packed, rows_only):
+            torch.testing.assert_close(module(rows), linear(rows), rtol=1e-5, atol=1e-5)
+        # which kernel serves which input: a packed copy of -W shows through exactly where it is used
+        for module in (packed, rows_only):
+            module.packed = torch.ops.mkldnn._reorder_linear_weight(-linear.weight.detach(), None)
+        torch.testing.assert_close(packed(one), -linear(one) + 2 * linear.bias, rtol=1e-5, atol=1e-5)
+        assert torch.equal(rows_only(one), linear(one))
+        torch.testing.assert_close(rows_only(rows), -linear(rows) + 2 * linear.bias, rtol=1e-5, atol=1e-5)
     rows.requires_grad_(True)
     out = packed(rows)  # with gradients on: the ordinary linear, differentiable
     assert torch.equal(out, linear(rows)) and out.grad_fn is not None
@@ -62,11 +71,12 @@ def test_prepack_keeps_parameters_ties_and_state_dict():
     assert isinstance(packed.lm_head, PackedLinear)
 
 
+@pytest.mark.parametrize("one_row", [True, False], ids=["every-row-count", "several-rows"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_greedy_on_a_prepacked_target_equals_plain_greedy(shape):
+def test_greedy_on_a_prepacked_target_equals_plain_greedy(shape, one_row):
     tree, width = SHAPES[shape]
     n, plan = 24, [2, 0, 4, 1, 3]
-    target = TargetModel(_models()[1])
+    target = TargetModel(_models(one_row)[1])
     reference = _reference(n)
     out = SpeculativeDecoder(target, Eagle3DraftModel.from_target(target, seed=0), tree=tree).generate(
         torch.tensor([PROMPT]), max_new_tokens=n, sampling=GREEDY)
@@ -78,11 +88,12 @@ def test_greedy_on_a_prepacked_target_equals_plain_greedy(shape):
     assert max(out.acceptance_lengths) == 5  # whole paths accepted: the verify logits were used
 
 
-def test_negative_control_a_wrong_packed_weight_breaks_greedy_equality():
+@pytest.mark.parametrize("one_row", [True, False], ids=["every-row-count", "several-rows"])
+def test_negative_control_a_wrong_packed_weight_breaks_greedy_equality(one_row):
     broken = copy.deepcopy(_models()[0])
-    prepack_linears(broken)
+    prepack_linears(broken, one_row=one_row)
     for module in broken.modules():
-        if isinstance(module, PackedLinear):  # verification's rows now see other weights; one row does not
+        if isinstance(module, PackedLinear):  # the rows served by the packed copy now see other weights
             module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach() * -1.0, None)
     n = 24
     drafter = ScriptedDrafter(_reference(n + 8), 4, 1, [2, 0, 4, 1, 3])

@@ -58,7 +58,7 @@ class ServingBenchConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Precision of the target and the head."""
     target_prepack: bool = False
-    """CPU, float32: give the target's linear layers a oneDNN-packed weight for forwards of several rows
+    """CPU, float32: give the target's linear layers a oneDNN-packed weight for every forward
     (verification, batched steps, prefill), at twice the weights' memory (eagle_tree.models.prepack)."""
     head_int8: bool = False
     """CPU: the head drafts with a per-row int8 copy of its lm_head (eagle_tree.models.quantize)."""

@@ -44,7 +44,7 @@ class GenerationOptions:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Precision of every model (target, head, assistant)."""
     target_prepack: bool = False
-    """CPU, float32: give the target's linear layers a oneDNN-packed weight for forwards of several rows
+    """CPU, float32: give the target's linear layers a oneDNN-packed weight for every forward
     (verification, prefill), at twice the weights' memory (eagle_tree.models.prepack)."""
     head_int8: bool = False
     """CPU: the head drafts with a per-row int8 copy of its lm_head, about a tenth of the float32 matrix's

@@ -127,13 +127,15 @@ class TargetModel:
         dtype: torch.dtype = torch.float32,
         feature_layers: Sequence[int] | None = None,
         prepack: bool = False,
+        prepack_one_row: bool = True,
         **kwargs,
     ) -> TargetModel:
         """Load a hub id, a local folder or a ``.gguf`` file (or a folder with ``gguf_file=NAME``) through
         :func:`eagle_tree.models.gguf.load_causal_lm` (sdpa attention with packed query groups,
         :mod:`eagle_tree.models.grouped_attention`, unless ``attn_implementation`` is given in ``kwargs``,
         e.g. ``device_map``), in eval mode. ``prepack``: CPU float32 linear layers
-        get a oneDNN-packed weight for forwards of several rows (:mod:`eagle_tree.models.prepack`)."""
+        get a oneDNN-packed weight for every forward (``prepack_one_row=False``: for forwards of several
+        rows only; :mod:`eagle_tree.models.prepack`)."""
         from eagle_tree.models.gguf import load_causal_lm
         from eagle_tree.models.grouped_attention import register
 
@@ -142,7 +144,7 @@ class TargetModel:
         if prepack:
             from eagle_tree.models.prepack import prepack_linears
 
-            prepack_linears(model)
+            prepack_linears(model, one_row=prepack_one_row)
         return cls(model.eval(), feature_layers=feature_layers)
 
     @property
