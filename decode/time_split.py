@@ -109,10 +109,10 @@ def main(argv=None) -> None:
     shapes = {name: parse_shape(name) for name in args.shapes}
     if "plain" not in shapes:
         shapes = {"plain": None, **shapes}
+    packing = {"": {}, " prepacked": {"prepack": True},  # row-name suffix -> TargetModel.from_pretrained options
+               " prepacked-rows": {"prepack": True, "prepack_one_row": False}}
     kernels = {"off": [""], "on": [" prepacked"], "rows": [" prepacked-rows"], "both": ["", " prepacked"],
                "one-row": [" prepacked-rows", " prepacked"]}[args.prepack]
-    packing = {"": {}, " prepacked": {"prepack": True},
-               " prepacked-rows": {"prepack": True, "prepack_one_row": False}}
     options = {"compile": True} if args.compile else {}  # without it, the script also runs on older checkouts
     decoders, trees = {}, {}
     for suffix in kernels:  # prepack= only when asked, so the script also runs on older checkouts
