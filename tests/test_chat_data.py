@@ -179,7 +179,7 @@ def test_fingerprint_ignores_size_time_and_paths_only(tiny, tokenizer, tmp_path)
     cfg = _cfg(tiny, tmp_path)
     fp = fingerprint(cfg, tokenizer)
     assert fp == fingerprint(replace(cfg, conversations=99, output="elsewhere", max_minutes=1.0, threads=1,
-                                     progress=True, target="other"), tokenizer)
+                                     target_prepack=True, progress=True, target="other"), tokenizer)
     for change in (dict(seed=1), dict(batch_size=4), dict(max_reply_tokens=9), dict(reply_temperature=0.5)):
         assert fingerprint(replace(cfg, **change), tokenizer) != fp, change
 
@@ -226,6 +226,7 @@ def test_build_chat_data_writes_the_splits_and_stats(built, tokenizer):
     assert summary["conversations"] == len(rows) >= 6 and summary["batches"] >= 2
     assert json.loads((out / "stats.json").read_text()) == summary
     assert summary["settings"]["conversations"] == 6 and summary["generated_reply_tokens"] > 0
+    assert summary["batches_target_prepack"] == 0  # the fixture's run is on F.linear
     by_split = {s: [json.loads(line) for line in (out / f"{s}.jsonl").read_text().splitlines()] for s in SPLITS}
     assert summary["by_split"] == {s: len(r) for s, r in by_split.items()}
     assert sorted(map(json.dumps, sum(by_split.values(), []))) == sorted(map(json.dumps, rows))
@@ -320,6 +321,32 @@ def test_load_target_reads_a_gguf_chat_model(tiny, tmp_path):
     plain = write_tiny_gguf(tmp_path / "plain.gguf", chat_template=None)
     with pytest.raises(ValueError, match="no chat_template"):
         load_target(_cfg(tiny, tmp_path, target=str(plain.path)))
+
+
+def test_target_prepack_packs_the_linears_and_resumes_the_same_file(built, ending_questions, tiny, tmp_path):
+    import copy
+
+    from eagle_tree.models.prepack import PackedLinear, prepack_available, prepack_linears
+
+    if not prepack_available():
+        pytest.skip("this torch build lacks oneDNN's packed linear")
+    plain, _ = load_target(_cfg(tiny, tmp_path))
+    assert not any(isinstance(m, PackedLinear) for m in plain.modules())
+    model, tokenizer = load_target(_cfg(tiny, tmp_path, target_prepack=True))
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert packed and all(m.one_row for m in packed)
+    if model.config.tie_word_embeddings:  # the packed lm_head keeps the embedding's parameter
+        assert model.lm_head.weight is model.get_input_embeddings().weight
+    cfg, out, summary = built
+    ending, tokenizer = ending_questions  # its lm_head hook ends user turns: carried over to a packed copy
+    model = copy.deepcopy(ending)
+    prepack_linears(model)
+    for hook in ending.lm_head._forward_hooks.values():
+        model.lm_head.register_forward_hook(hook)
+    bigger = build_chat_data(replace(cfg, conversations=summary["conversations"] + 2, target_prepack=True),
+                             model, tokenizer)  # the same fingerprint: the file resumes on the other kernels
+    assert bigger["batches"] > summary["batches"]
+    assert bigger["batches_target_prepack"] == bigger["batches"] - summary["batches"]
 
 
 def test_turn_prompts_hold_each_first_turn_then_its_second_in_golden_text(tokenizer):

@@ -92,6 +92,11 @@ class ChatDataConfig:
     """Precision of the target."""
     threads: int | None = None
     """torch CPU threads (None: torch's default)."""
+    target_prepack: bool = False
+    """Pack the target's linear layers for oneDNN (eagle_tree.models.prepack): on CPU hosts where the batched
+    steps' small matrix products are slow (docs/MEASURING.md, "One-row steps") generation runs faster; a kernel
+    choice like ``threads``, so not part of the data's fingerprint (a run may resume with the other kernels);
+    each batch's stats record it."""
     progress: bool = True
     """Show a progress bar."""
     overwrite: bool = False
@@ -215,14 +220,15 @@ def build_batch(model, tokenizer, cfg: ChatDataConfig, b: int, seen: set[str]) -
     rows = [{"conversations": c, "reply_temperature": temperature, "batch": b,
              "split": split_of(c[0]["content"], cfg.tuning_fraction, cfg.test_fraction)} for c in convs]
     stats = {"batch": b, "rows": len(rows), "dropped": dropped, "tokens": tokens, "replies_ended": ended_replies,
-             "seconds": round(time.perf_counter() - t0, 2)}
+             "seconds": round(time.perf_counter() - t0, 2), "target_prepack": cfg.target_prepack}
     return rows, stats
 
 
 def fingerprint(cfg: ChatDataConfig, tokenizer) -> str:
-    """What the rows depend on: every setting except the run's size, time budget, threads and output."""
+    """What the rows depend on: every setting except the run's size, time budget, kernels and output."""
     settings = {k: v for k, v in asdict(cfg).items()
-                if k not in ("output", "conversations", "max_minutes", "threads", "progress", "target", "overwrite")}
+                if k not in ("output", "conversations", "max_minutes", "threads", "target_prepack", "progress",
+                             "target", "overwrite")}
     h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
     h.update(turn_prefix(tokenizer, []).encode())
     return h.hexdigest()[:16]
@@ -270,6 +276,13 @@ def load_target(cfg: ChatDataConfig):
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(f"target={cfg.target}: its tokenizer has no chat_template; chat data needs a chat model")
     model = load_causal_lm(cfg.target, dtype=getattr(torch, cfg.dtype))
+    if cfg.target_prepack:
+        from eagle_tree.models.prepack import prepack_linears
+
+        try:
+            prepack_linears(model)
+        except RuntimeError as exc:
+            raise ValueError(f"target_prepack=true: {exc}; set target_prepack=false") from exc
     return model, tokenizer
 
 
@@ -350,7 +363,9 @@ def write_splits(out: Path, rows: list[dict], stats: list[dict], tokenizer, cfg:
         "generated_reply_tokens": reply_tokens,
         "replies_ended": sum(st["replies_ended"] for st in stats),
         "dropped": {k: sum(st["dropped"][k] for st in stats) for k in stats[0]["dropped"]} if stats else {},
-        "seconds": round(sum(st["seconds"] for st in stats), 1), "settings": asdict(cfg),
+        "seconds": round(sum(st["seconds"] for st in stats), 1),
+        "batches_target_prepack": sum(bool(st.get("target_prepack")) for st in stats),  # batches on packed kernels
+        "settings": asdict(cfg),
     }
     write_text(out / "stats.json", json.dumps(summary, indent=2) + "\n")
     return summary
