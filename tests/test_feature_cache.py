@@ -164,3 +164,43 @@ def test_several_vocabularies_share_one_forward_and_equal_caches_built_alone(set
     FeatureCache.build_many([(tmp_path / "many-0", small), (tmp_path / "many-1", large)], target, examples,
                             examples_per_shard=4)
     assert calls == []  # complete caches: nothing recomputed
+
+
+def test_a_packed_target_has_the_fingerprint_and_the_features_of_the_unpacked_one(setup):
+    """target.prepack is a kernel choice: a cache written with either kernels is the other's cache too."""
+    import copy
+
+    from eagle_tree.models.prepack import PackedLinear, prepack_available, prepack_linears
+    from eagle_tree.training.feature_cache import target_fingerprint
+
+    if not prepack_available():
+        pytest.skip("this torch build lacks oneDNN's packed linear")
+    target, _, examples = setup
+    packed = TargetModel(copy.deepcopy(target.model))
+    assert prepack_linears(packed.model) > 0
+    assert target_fingerprint(packed) == target_fingerprint(target)
+    ids = torch.tensor(examples[0]["input_ids"])
+    (f0, l0), (f1, l1) = example_targets(target, ids), example_targets(packed, ids)
+    torch.testing.assert_close(f1, f0, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(l1, l0, rtol=1e-4, atol=1e-5)
+    # the fingerprint still reads the weights under the packed copies
+    linear = next(m for m in packed.model.modules() if isinstance(m, PackedLinear))
+    with torch.no_grad():
+        linear.weight[0, 0] += 1e-3
+    assert target_fingerprint(packed) != target_fingerprint(target)
+
+
+def test_train_config_target_prepack_loads_a_packed_target(tmp_path):
+    from eagle_tree.models.prepack import PackedLinear, prepack_available
+    from eagle_tree.training.config import TrainConfig
+    from eagle_tree.training.resolve import load_target
+    from tests.tiny_gguf import write_tiny_gguf
+
+    if not prepack_available():
+        pytest.skip("this torch build lacks oneDNN's packed linear")
+    tiny = write_tiny_gguf(tmp_path / "tiny.gguf")
+    for prepack in (False, True):
+        cfg = TrainConfig()
+        cfg.target.path, cfg.target.prepack = str(tiny.path), prepack
+        target, _ = load_target(cfg)
+        assert any(isinstance(m, PackedLinear) for m in target.model.modules()) == prepack

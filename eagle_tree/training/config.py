@@ -30,6 +30,10 @@ class TargetSection:
     [1, L-1]; deeper choices such as [2, L//2, L-1] let the head see the last layers"""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     """attention implementation of the target"""
+    prepack: bool = False
+    """oneDNN-packed copies of the target's float32 CPU linear layers for its forwards (feature extraction,
+    evaluation decoding; eagle_tree.models.prepack): about 1.8x faster on hosts whose BLAS is slow for these
+    shapes (docs/MEASURING.md, "One-row steps"); a kernel choice, not part of the feature cache's fingerprint"""
     toy: ToyConfig = field(default_factory=ToyConfig)
     """the toy target (path=toy)"""
     toy_cache_dir: str | None = None

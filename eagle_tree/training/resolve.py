@@ -35,7 +35,8 @@ def load_target(cfg: TrainConfig):
     path = str(_toy_assets(cfg).target) if cfg.target.path == "toy" else cfg.target.path
     target = TargetModel.from_pretrained(path, dtype=_DTYPES[cfg.target.dtype],
                                          feature_layers=cfg.target.feature_layers,
-                                         attn_implementation=cfg.target.attn_implementation)
+                                         attn_implementation=cfg.target.attn_implementation,
+                                         prepack=cfg.target.prepack)
     for p in target.model.parameters():
         p.requires_grad_(False)
     return target, load_tokenizer(path)
