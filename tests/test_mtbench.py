@@ -266,4 +266,5 @@ def test_quickstart_chat_stage_loads_the_models_as_the_mtbench_bench(chat_models
     assert bool(packed_linears) == packed
     assert all(m.one_row for m in packed_linears)  # one-token steps on the packed copy too
     assert isinstance(models.head.lm_head, Int8Linear) == packed
+    assert any(isinstance(m, PackedLinear) for m in models.head.modules()) == packed  # the head's layers too
     assert all(r["outputs_match_plain"] for r in chat["rows"])

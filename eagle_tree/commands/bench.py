@@ -358,8 +358,8 @@ def _resume(cfg: BenchConfig, models, out_dir: Path):
     identity = {"target": weights_fingerprint(models.target.model), "head": weights_fingerprint(models.head),
                 "assistant": weights_fingerprint(models.assistant), "assistant_tokens": cfg.assistant_tokens,
                 "threads": torch.get_num_threads(), "device": cfg.device, "dtype": cfg.dtype,
-                # packed weights serve one-row steps too since 2026-12-03: older journals are not read back
-                "target_prepack": "every-row-count" if cfg.target_prepack else False, "head_int8": cfg.head_int8}
+                # packed weights serve one-row steps and the head's layers since 2026-12-03: older journals are unread
+                "target_prepack": "every-row-count+head" if cfg.target_prepack else False, "head_int8": cfg.head_int8}
     deadline = None if cfg.max_minutes is None else time.monotonic() + 60 * cfg.max_minutes
     sitting = journal.sittings()
     if sitting:

@@ -26,8 +26,8 @@ def load_decoder(target: str, head: str | None, mode: str, dtype: str, tree: Tre
     (the shape a bench tuning file ``shapes`` selected; plain decoding where it selected ``none``) or
     "default" (the head folder's decoding.json, whose entries may be plain decoding too).
     The target path, the head path and the head's weights are checked first. ``prepack``: the target's
-    linear layers get packed weights for forwards of several rows (eagle_tree.models.prepack). ``head_int8``:
-    the head drafts with an int8 copy of its lm_head (eagle_tree.models.quantize)."""
+    and the head's float32 linear layers get oneDNN-packed weights for every forward (eagle_tree.models.prepack).
+    ``head_int8``: the head drafts with an int8 copy of its lm_head (eagle_tree.models.quantize)."""
     from eagle_tree.models.gguf import load_tokenizer
     from eagle_tree.models.head import Eagle3DraftModel
     from eagle_tree.models.target import TargetModel
@@ -60,6 +60,10 @@ def load_decoder(target: str, head: str | None, mode: str, dtype: str, tree: Tre
                 quantize_lm_head(draft)
             except RuntimeError as exc:
                 raise InputError(f"the head in {head}: {exc}") from exc
+        if prepack:  # after the int8 copy: an Int8Linear lm_head stays as it is
+            from eagle_tree.models.prepack import prepack_linears
+
+            prepack_linears(draft)
     else:
         model = TargetModel.from_pretrained(target, dtype=dtype, prepack=prepack)
     if mode == "auto":
