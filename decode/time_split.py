@@ -3,7 +3,7 @@
 Usage: python decode/time_split.py [--target assets/reference/target] [--head assets/reference/head]
        [--prompts assets/reference/prompts/test.jsonl] [--limit 4] [--new-tokens 64] [--repeats 2]
        [--shapes plain chain-2 tree-d3k3n8] [--temperature 0.0] [--threads 2] [--compile] [--seed 0]
-       [--prepack off|on|rows|both|one-row] [--head-int8 off|on|both]
+       [--prepack off|on|rows|both|one-row] [--head-int8 off|on|both] [--head-prepack off|on|both]
 
 Decodes the same prompts with each shape and with Hugging Face ``generate`` (interleaved, after one
 warm-up call each) and prints one row per shape, side by side:
@@ -24,7 +24,9 @@ with the first, so the two kernels are compared under the same conditions; speed
 first copy's plain decoding. ``rows`` packs for forwards of several rows only (``prepack_one_row=False``,
 rows named ``SHAPE prepacked-rows``), and ``one-row`` compares that copy (first) with the packed one.
 ``--head-int8 both`` likewise runs every head shape a second time with an int8 copy of the head's
-lm_head (eagle_tree.models.quantize; rows named ``SHAPE int8``).
+lm_head (eagle_tree.models.quantize; rows named ``SHAPE int8``), and ``--head-prepack both`` with the
+head's other linear layers packed (rows named ``SHAPE head-packed``; the bench's ``target_prepack``
+packs both the target and the head).
 
 EOS is ignored so every call produces ``--new-tokens`` tokens. At temperature 0 every shape is also
 checked to give plain decoding's tokens. The default run (4 prompts, 64 tokens, 2 repeats) takes about
@@ -78,6 +80,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "forward, rows = several rows only, both = off and on, one-row = rows and on")
     p.add_argument("--head-int8", choices=["off", "on", "both"], default="off",
                    help="the head's lm_head with an int8 copy (eagle_tree.models.quantize)")
+    p.add_argument("--head-prepack", choices=["off", "on", "both"], default="off",
+                   help="the head's float32 linear layers with packed weights (after --head-int8)")
     return p.parse_args(argv)
 
 
@@ -117,22 +121,30 @@ def main(argv=None) -> None:
     decoders, trees = {}, {}
     for suffix in kernels:  # prepack= only when asked, so the script also runs on older checkouts
         target = TargetModel.from_pretrained(args.target, **packing[suffix])
-        for int8 in {"off": [""], "on": [" int8"], "both": ["", " int8"]}[args.head_int8]:
+        int8s = {"off": [""], "on": [" int8"], "both": ["", " int8"]}[args.head_int8]
+        packs = {"off": [""], "on": [" head-packed"], "both": ["", " head-packed"]}[args.head_prepack]
+        variants = [(int8, packed) for int8 in int8s for packed in packs]
+        for int8, packed in variants:
             head = Eagle3DraftModel.from_pretrained(args.head, target=target)
             if int8:
                 from eagle_tree.models.quantize import quantize_lm_head
 
                 quantize_lm_head(head)
+            if packed:
+                from eagle_tree.models.prepack import prepack_linears
+
+                prepack_linears(head)
             for name, tree in shapes.items():
-                if tree is None and int8 and args.head_int8 == "both":
-                    continue  # plain decoding has no head to quantize
-                decoders[name + suffix + int8] = SpeculativeDecoder(target, None if tree is None else head,
-                                                                    tree=tree, **options)
-                trees[name + suffix + int8] = tree
+                if tree is None and (int8, packed) != variants[0]:
+                    continue  # plain decoding has no head: one row of it per target copy
+                decoders[name + suffix + int8 + packed] = SpeculativeDecoder(target, None if tree is None else head,
+                                                                             tree=tree, **options)
+                trees[name + suffix + int8 + packed] = tree
         if suffix == kernels[0]:
             first_target = target
     target = first_target
-    plain_name = "plain" + kernels[0] + (" int8" if args.head_int8 == "on" else "")
+    plain_name = ("plain" + kernels[0] + (" int8" if args.head_int8 == "on" else "")
+                  + (" head-packed" if args.head_prepack == "on" else ""))
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     with open(args.prompts) as f:
         texts = [json.loads(line)["prompt"] for line in f if line.strip()][: args.limit]
