@@ -1,5 +1,5 @@
-"""Which kernels pay on this host for the jobs around a head (docs/MEASURING.md, "The host's matrix
-routines"): chat-data generation, feature extraction and training steps.
+"""Which kernels pay on this host for the jobs around a head: chat-data generation, feature extraction
+and training steps (docs/MEASURING.md, "The rest of the pipeline on the same host").
 
     python train/host_kernels.py --target $(eagle-tree reference smollm2 | tail -1) --head assets/smollm2/head
     python train/host_kernels.py --threads 2 --repeats 5 --batch 16
