@@ -21,7 +21,6 @@ last logits, the relative difference of the two losses.
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 
 import torch
@@ -46,13 +45,12 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
 
     from eagle_tree.models.gguf import load_tokenizer
-    from eagle_tree.models.prepack import prepack_linears
     from eagle_tree.models.target import TargetModel
     from eagle_tree.reference.chat_data import reply_prompt, sample
 
     tokenizer = load_tokenizer(args.target)
     plain = TargetModel.from_pretrained(args.target)
-    packed = TargetModel(prepack_linears_copy(plain.model, prepack_linears), feature_layers=plain.feature_layers)
+    packed = TargetModel.from_pretrained(args.target, prepack=True)  # as target_prepack / target.prepack load it
     texts = [reply_prompt(tokenizer, [{"role": "user", "content": q}]) for q in PROMPTS]
     texts = (texts * (args.batch // len(texts) + 1))[: args.batch]
     g = torch.Generator().manual_seed(0)
@@ -92,12 +90,6 @@ def main(argv=None) -> None:
               f"{med['train step float32']:.2f} | {med['train step bf16']:.2f} | "
               f"{med['train step float32'] / med['train step bf16']:.2f}x | loss {a:.4f} / {b:.4f} "
               f"({abs(a - b) / abs(a):.1e} relative) |")
-
-
-def prepack_linears_copy(model, prepack_linears):
-    copied = copy.deepcopy(model)
-    prepack_linears(copied)
-    return copied
 
 
 def train_calls(args, target) -> dict:

@@ -94,9 +94,9 @@ class ChatDataConfig:
     """torch CPU threads (None: torch's default)."""
     target_prepack: bool = False
     """Pack the target's linear layers for oneDNN (eagle_tree.models.prepack): on CPU hosts where the batched
-    steps' small matrix products are slow (docs/MEASURING.md, "One-row steps") generation runs faster; a kernel
-    choice like ``threads``, so not part of the data's fingerprint (a run may resume with the other kernels);
-    each batch's stats record it."""
+    steps' small matrix products are slow, generation runs faster (docs/MEASURING.md, "The rest of the pipeline
+    on the same host"); a kernel choice like ``threads``, so not part of the data's fingerprint (a run may resume
+    with the other kernels); each batch's stats record it."""
     progress: bool = True
     """Show a progress bar."""
     overwrite: bool = False

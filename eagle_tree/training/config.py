@@ -32,8 +32,9 @@ class TargetSection:
     """attention implementation of the target"""
     prepack: bool = False
     """oneDNN-packed copies of the target's float32 CPU linear layers for its forwards (feature extraction,
-    evaluation decoding; eagle_tree.models.prepack): about 1.8x faster on hosts whose BLAS is slow for these
-    shapes (docs/MEASURING.md, "One-row steps"); a kernel choice, not part of the feature cache's fingerprint"""
+    evaluation decoding; eagle_tree.models.prepack): a 500-token forward 1.9x faster on a host whose BLAS is slow
+    for these shapes (docs/MEASURING.md, "The rest of the pipeline on the same host"); a kernel choice, not part
+    of the feature cache's fingerprint"""
     toy: ToyConfig = field(default_factory=ToyConfig)
     """the toy target (path=toy)"""
     toy_cache_dir: str | None = None
