@@ -52,7 +52,7 @@ def test_one_row_is_the_linear_itself_only_when_asked_and_more_rows_agree_to_rou
             torch.testing.assert_close(module(rows), linear(rows), rtol=1e-5, atol=1e-5)
         # which kernel serves which input: a packed copy of -W shows through exactly where it is used
         for module in (packed, rows_only):
-            module.packed = torch.ops.mkldnn._reorder_linear_weight(-linear.weight.detach(), None)
+            module._packed = torch.ops.mkldnn._reorder_linear_weight(-linear.weight.detach(), None)
         torch.testing.assert_close(packed(one), -linear(one) + 2 * linear.bias, rtol=1e-5, atol=1e-5)
         assert torch.equal(rows_only(one), linear(one))
         torch.testing.assert_close(rows_only(rows), -linear(rows) + 2 * linear.bias, rtol=1e-5, atol=1e-5)
@@ -63,6 +63,9 @@ def test_one_row_is_the_linear_itself_only_when_asked_and_more_rows_agree_to_rou
 
 def test_prepack_keeps_parameters_ties_and_state_dict():
     plain, packed = _models()
+    # the packed copies are kernel state, not model state: no new buffers (so no new fingerprint entries)
+    assert dict(plain.named_buffers()).keys() == dict(packed.named_buffers()).keys()
+    assert all(isinstance(m._packed, torch.Tensor) for m in packed.modules() if isinstance(m, PackedLinear))
     assert plain.state_dict().keys() == packed.state_dict().keys()
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), packed.state_dict().values(),
                                                  strict=True))
@@ -94,7 +97,7 @@ def test_negative_control_a_wrong_packed_weight_breaks_greedy_equality(one_row):
     prepack_linears(broken, one_row=one_row)
     for module in broken.modules():
         if isinstance(module, PackedLinear):  # the rows served by the packed copy now see other weights
-            module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach() * -1.0, None)
+            module._packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach() * -1.0, None)
     n = 24
     drafter = ScriptedDrafter(_reference(n + 8), 4, 1, [2, 0, 4, 1, 3])
     out = SpeculativeDecoder(TargetModel(broken), drafter=drafter).generate(

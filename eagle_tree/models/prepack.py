@@ -47,13 +47,16 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.one_row = bool(one_row)
         self.weight, self.bias = linear.weight, linear.bias  # the same parameters: ties and state dicts hold
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None),
-                             persistent=False)
+        # A plain attribute, not a buffer: the packed copy is a kernel choice, not part of the model, so it
+        # stays out of named_buffers (and so out of fingerprints, state dicts and weight checks), as
+        # Int8Linear's copy does. It is made from the weight here: repack after changing the weight.
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (not self.one_row and x.numel() == x.shape[-1]) or x.dtype != torch.float32 or torch.is_grad_enabled():
+        if ((not self.one_row and x.numel() == x.shape[-1]) or x.dtype != torch.float32 or torch.is_grad_enabled()
+                or x.device.type != "cpu"):
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

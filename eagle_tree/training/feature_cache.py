@@ -135,12 +135,7 @@ def target_fingerprint(target) -> str:
     h = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
     h.update(json.dumps([list(target.feature_layers), str(target.dtype)]).encode())
     tensors = dict(target.model.named_parameters())
-    tensors.update(dict(target.model.named_buffers()))
-    from eagle_tree.models.prepack import PackedLinear
-
-    for name, module in target.model.named_modules():  # packed weight copies are a kernel choice, not the target
-        if isinstance(module, PackedLinear):
-            tensors.pop(f"{name}.packed" if name else "packed", None)
+    tensors.update(dict(target.model.named_buffers()))  # packed weight copies are attributes, not buffers
     for name in sorted(tensors):
         t = tensors[name].detach()
         flat = t.reshape(-1)
