@@ -61,6 +61,20 @@ def test_one_row_is_the_linear_itself_only_when_asked_and_more_rows_agree_to_rou
     assert torch.equal(out, linear(rows)) and out.grad_fn is not None
 
 
+def test_a_packed_model_deep_copies_with_its_own_packed_weights():
+    _, packed = _models()
+    copied = copy.deepcopy(packed)  # oneDNN's packed tensor alone cannot be deep-copied (no storage)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        assert torch.equal(copied(ids).logits, packed(ids).logits)
+        layer = next(m for m in copied.modules() if isinstance(m, PackedLinear))
+        assert layer.weight is not next(m for m in packed.modules() if isinstance(m, PackedLinear)).weight
+        layer.weight.mul_(-1.0)  # negative control: the copy's own weights, repacked, change its output only
+        layer._packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), None)
+        assert not torch.equal(copied(ids).logits, packed(ids).logits)
+        assert torch.equal(packed(ids).logits, copy.deepcopy(packed)(ids).logits)
+
+
 def test_prepack_keeps_parameters_ties_and_state_dict():
     plain, packed = _models()
     # the packed copies are kernel state, not model state: no new buffers (so no new fingerprint entries)

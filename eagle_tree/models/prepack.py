@@ -21,6 +21,8 @@ only forwards without gradients (the target's, under ``torch.no_grad``).
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -51,6 +53,15 @@ class PackedLinear(nn.Module):
         # stays out of named_buffers (and so out of fingerprints, state dicts and weight checks), as
         # Int8Linear's copy does. It is made from the weight here: repack after changing the weight.
         self._packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+
+    def __deepcopy__(self, memo):
+        # oneDNN's packed tensor has no storage to copy: copy the rest, then pack the copied weight again
+        state = {k: v for k, v in self.__dict__.items() if k != "_packed"}
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(state, memo))
+        new._packed = torch.ops.mkldnn._reorder_linear_weight(new.weight.detach(), None)
+        return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if ((not self.one_row and x.numel() == x.shape[-1]) or x.dtype != torch.float32 or torch.is_grad_enabled()
