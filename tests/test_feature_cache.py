@@ -19,6 +19,7 @@ from eagle_tree.training.feature_cache import (
 from eagle_tree.training.loop import TTTLoss
 from eagle_tree.training.stream import batch_targets
 from eagle_tree.training.ttt import ttt_forward
+from eagle_tree.utils.checks import InputError
 
 VOCAB = 128
 DRAFT_IDS = torch.arange(0, VOCAB, 2)  # half the vocabulary: many target top tokens fall outside it
@@ -164,6 +165,79 @@ def test_several_vocabularies_share_one_forward_and_equal_caches_built_alone(set
     FeatureCache.build_many([(tmp_path / "many-0", small), (tmp_path / "many-1", large)], target, examples,
                             examples_per_shard=4)
     assert calls == []  # complete caches: nothing recomputed
+
+
+def _counting(monkeypatch):
+    import eagle_tree.training.feature_cache as fc
+
+    calls = []
+    real = fc.example_targets
+    monkeypatch.setattr(fc, "example_targets", lambda t, ids: calls.append(1) or real(t, ids))
+    return calls
+
+
+def test_a_grown_dataset_reuses_the_shards_of_its_prefix(setup, tmp_path, monkeypatch):
+    """Appending examples: the earlier cache's full shards are linked, only the rest is computed, and
+    the result equals a cache built from scratch, byte for byte."""
+    target, _, examples = setup
+    grown = examples + make_examples(5, seed=7)
+    old = FeatureCache.build(tmp_path / "old", target, examples, DRAFT_IDS, examples_per_shard=4)  # 4, 4, 2
+    assert len(old.meta["shard_hashes"]) == 3
+    scratch = FeatureCache.build(tmp_path / "scratch", target, grown, DRAFT_IDS, examples_per_shard=4)
+    calls = _counting(monkeypatch)
+    new = FeatureCache.build(tmp_path / "new", target, grown, DRAFT_IDS, examples_per_shard=4,
+                             reuse_from=[tmp_path / "old"])
+    assert len(calls) == len(grown) - 8  # shards 0 and 1 linked; shard 2 (2 examples before, 4 now) computed
+    for s in (0, 1):
+        name = f"shard-{s:05d}.safetensors"
+        assert (tmp_path / "new" / name).samefile(tmp_path / "old" / name)
+    assert not (tmp_path / "new" / "shard-00002.safetensors").samefile(tmp_path / "old" / "shard-00002.safetensors")
+    assert new.meta == scratch.meta
+    for s in range(new.meta["num_shards"]):
+        name = f"shard-{s:05d}.safetensors"
+        assert (tmp_path / "new" / name).read_bytes() == (tmp_path / "scratch" / name).read_bytes()
+    assert not list((tmp_path / "new").glob(".*tmp"))
+
+
+def test_shards_of_other_examples_targets_or_vocabularies_are_not_reused(setup, tmp_path, monkeypatch):
+    """Negative controls: a changed example, another target, another draft vocabulary or shard size each
+    leave the shard to be computed."""
+    target, _, examples = setup
+    FeatureCache.build(tmp_path / "old", target, examples, DRAFT_IDS, examples_per_shard=4)
+    changed = [dict(e) for e in examples]
+    changed[5] = make_examples(1, seed=99)[0]  # shard 1 differs; shards 0 and 2 do not
+    calls = _counting(monkeypatch)
+    FeatureCache.build(tmp_path / "a", target, changed, DRAFT_IDS, examples_per_shard=4, reuse_from=[tmp_path / "old"])
+    assert len(calls) == 4  # shard 1's examples only
+    assert not (tmp_path / "a" / "shard-00001.safetensors").samefile(tmp_path / "old" / "shard-00001.safetensors")
+    other_target = TargetModel(tiny_causal_lm("llama", vocab_size=VOCAB, num_layers=6, seed=4))
+    for folder, tgt, ids, per in (("b", other_target, DRAFT_IDS, 4), ("c", target, DRAFT_IDS[:-1], 4),
+                                  ("d", target, DRAFT_IDS, 5)):
+        calls.clear()
+        FeatureCache.build(tmp_path / folder, tgt, examples, ids, examples_per_shard=per,
+                           reuse_from=[tmp_path / "old"])
+        assert len(calls) == len(examples), folder
+    with pytest.raises(InputError, match="not a feature cache"):
+        FeatureCache.build(tmp_path / "e", target, examples, DRAFT_IDS, examples_per_shard=4,
+                           reuse_from=[tmp_path / "nowhere"])
+
+
+def test_a_cache_without_shard_hashes_gets_them_when_built_again(setup, tmp_path, monkeypatch):
+    """Caches written before shards had hashes: building the complete cache again adds them (nothing computed)."""
+    import json
+
+    target, _, examples = setup
+    folder = tmp_path / "old"
+    FeatureCache.build(folder, target, examples, DRAFT_IDS, examples_per_shard=4)
+    meta = json.loads((folder / "meta.json").read_text())
+    hashes = meta.pop("shard_hashes")
+    (folder / "meta.json").write_text(json.dumps(meta))
+    calls = _counting(monkeypatch)
+    FeatureCache.build(tmp_path / "x", target, examples, DRAFT_IDS, examples_per_shard=4, reuse_from=[folder])
+    assert len(calls) == len(examples)  # no hashes: nothing can be proven equal, so nothing is reused
+    calls.clear()
+    assert FeatureCache.build(folder, target, examples, DRAFT_IDS, examples_per_shard=4).meta["shard_hashes"] == hashes
+    assert calls == []
 
 
 def test_a_packed_target_has_the_fingerprint_and_the_features_of_the_unpacked_one(setup):

@@ -168,6 +168,10 @@ class FeatureSection:
     """feature cache folder (default OUTPUT_DIR/feature_cache)"""
     examples_per_shard: int = 256
     """examples per safetensors shard"""
+    reuse_from: list[str] = field(default_factory=list)
+    """earlier feature caches (folders) whose shards this build may take instead of computing them: a shard
+    whose examples, target, draft vocabulary, shard size and feature dtype all match (a dataset that grew by
+    appending pays only for its new shards); hard links where the file system allows"""
 
     def __post_init__(self) -> None:
         check_ranges(self, examples_per_shard=1)

@@ -31,6 +31,14 @@ exist, so an interrupted build resumes. Several processes build disjoint shards 
 ``s % world``). The fingerprint names the dataset (a hash of every example's ids and loss mask), the
 target (config, feature layers, dtype and a hash of its weights, see :func:`target_fingerprint`)
 and the draft vocabulary; a cache whose fingerprint differs is refused with :class:`StaleCacheError`.
+
+Reuse across datasets. ``meta.json`` also holds each shard's hash (its examples' ids and loss masks,
+:func:`shard_hashes`). A build given ``reuse_from`` folders takes a missing shard ``s`` from one of
+them, as a hard link (a copy across file systems), when that cache was built for the same target and
+draft vocabulary, with the same shard size and feature dtype, and its shard ``s`` has the same hash:
+then the shard's bytes are those this build would write. So a dataset that grew by appending (the
+chat data does) only pays the target's forward for the new shards. Building a complete cache again
+adds the hashes to a cache written before they existed.
 """
 
 from __future__ import annotations
@@ -157,6 +165,24 @@ def dataset_fingerprint(examples) -> str:
     return h.hexdigest()
 
 
+def shard_hashes(examples, examples_per_shard: int) -> list[str]:
+    """Per shard of ``examples_per_shard`` examples, a hash of its examples' ``input_ids`` and ``loss_mask``
+    (as :func:`dataset_fingerprint` hashes them) and of its first example's index."""
+    hashes, h = [], None
+    for i, (ids, mask) in enumerate(iter_token_columns(examples)):
+        if i % examples_per_shard == 0:
+            if h is not None:
+                hashes.append(h.hexdigest())
+            h = hashlib.sha256(np.int64(i).tobytes())
+        ids = np.asarray(ids, dtype=np.int64)
+        h.update(np.int64(len(ids)).tobytes())
+        h.update(ids.tobytes())
+        h.update(np.asarray(mask, dtype=np.int8).tobytes())
+    if h is not None:
+        hashes.append(h.hexdigest())
+    return hashes
+
+
 def vocab_fingerprint(draft_ids: torch.Tensor) -> str:
     return _sha(torch.as_tensor(draft_ids).long().numpy().tobytes())
 
@@ -207,14 +233,16 @@ class FeatureCache:
         fingerprint: dict | None = None,
         barrier: Callable[[], None] = lambda: None,
         progress: bool = False,
+        reuse_from: Sequence[str | os.PathLike] = (),
     ) -> FeatureCache:
         """Write the shards this rank owns that are missing; return the cache once all ranks are done.
 
         ``barrier`` synchronises the ranks (``accelerator.wait_for_everyone``); rank 0 writes
-        ``meta.json`` first. A folder with another fingerprint raises :class:`StaleCacheError`.
+        ``meta.json`` first. A folder with another fingerprint raises :class:`StaleCacheError`. Shards
+        that ``reuse_from`` caches hold for the same examples are linked, not computed (see the module).
         """
         return cls.build_many([(directory, draft_ids)], target, examples, examples_per_shard, rank, world_size,
-                              [fingerprint], barrier, progress)[0]
+                              [fingerprint], barrier, progress, reuse_from)[0]
 
     @classmethod
     def build_many(
@@ -228,11 +256,19 @@ class FeatureCache:
         fingerprints: Sequence[dict | None] | None = None,
         barrier: Callable[[], None] = lambda: None,
         progress: bool = False,
+        reuse_from: Sequence[str | os.PathLike] = (),
     ) -> list[FeatureCache]:
         """:meth:`build` for several draft vocabularies of one target and dataset, ``caches`` being
         (folder, draft_ids) pairs: each example's target forward runs once and feeds every cache that lacks
         its shard (the forward is the cost; the caches differ only in which logit columns they keep)."""
         fingerprints = list(fingerprints or [None] * len(caches))
+        memo: dict[int, list[str]] = {}
+
+        def hashes(per: int) -> list[str]:
+            if per not in memo:
+                memo[per] = shard_hashes(examples, per)
+            return memo[per]
+
         plans = []  # (directory, sorted ids, t2d, examples per shard, shards this rank writes)
         n = len(examples)
         for (directory, draft_ids), fingerprint in zip(caches, fingerprints, strict=True):
@@ -247,10 +283,19 @@ class FeatureCache:
             }
             if rank == 0:  # an existing meta.json (and its shard size) wins; every rank checks it below
                 directory.mkdir(parents=True, exist_ok=True)
-                if not (directory / META_NAME).is_file():
-                    write_bytes(directory / META_NAME, (json.dumps(meta, indent=1) + "\n").encode())
+                meta_path = directory / META_NAME
+                if not meta_path.is_file():
+                    meta["shard_hashes"] = hashes(examples_per_shard)
+                    write_bytes(meta_path, (json.dumps(meta, indent=1) + "\n").encode())
+                else:  # written before shards had hashes: add them if the cache is this dataset's
+                    old = _read_meta(meta_path)
+                    if "shard_hashes" not in old and old.get("fingerprint") == fingerprint:
+                        old["shard_hashes"] = hashes(old["examples_per_shard"])
+                        write_bytes(meta_path, (json.dumps(old, indent=1) + "\n").encode())
             plans.append([directory, draft_ids, fingerprint])
         barrier()
+        sources = [_ReuseSource.read(Path(d)) for d in reuse_from]
+        reused = 0
         for plan in plans:
             directory, draft_ids, fingerprint = plan
             meta = _read_meta(directory / META_NAME)
@@ -260,7 +305,16 @@ class FeatureCache:
             per = meta["examples_per_shard"]
             mine = {s for s in range(meta["num_shards"]) if s % world_size == rank
                     and not (directory / _shard_name(s)).is_file()}
+            for s in sorted(mine):
+                source = next((src for src in sources if src.holds(meta, s)), None)
+                if source is not None:
+                    _link_or_copy(source.directory / _shard_name(s), directory / _shard_name(s))
+                    mine.discard(s)
+                    reused += 1
             plan[2:] = [t2d, per, mine]
+        if reused and progress:
+            print(f"[feature cache] rank {rank}: {reused} shards taken from {', '.join(map(str, reuse_from))}",
+                  flush=True)
         # caches of one shard size share each shard's forwards; a cache of another size builds on its own
         jobs: dict[tuple[int, int], list] = {}
         for directory, draft_ids, t2d, per, mine in plans:
@@ -331,6 +385,49 @@ class FeatureCache:
         """Example ``i`` as :func:`example_targets` returns it: (features (T, 3H), logits (T, V) float32)."""
         features, draft_logits, top_in_draft = self.get(i)
         return features, expand_logits(draft_logits, top_in_draft, self.draft_ids, self.vocab_size)
+
+
+class _ReuseSource:
+    """A cache whose shards another build may take: its folder and meta.json (None when unreadable)."""
+
+    def __init__(self, directory: Path, meta: dict | None):
+        self.directory, self.meta = directory, meta
+
+    @classmethod
+    def read(cls, directory: Path) -> _ReuseSource:
+        if not (directory / META_NAME).is_file():
+            raise InputError(f"features.reuse_from names {directory}, which is not a feature cache (no {META_NAME}); "
+                             "give the folder of an earlier cache (its features.cache_dir) or drop it")
+        try:
+            return cls(directory, _read_meta(directory / META_NAME))
+        except StaleCacheError:
+            return cls(directory, None)
+
+    def holds(self, meta: dict, s: int) -> bool:
+        """Whether shard ``s`` here is byte for byte the shard ``s`` of a cache with ``meta``."""
+        mine = self.meta
+        if mine is None or mine.get("format") != FORMAT_VERSION:
+            return False
+        keys = ("examples_per_shard", "feature_size", "feature_dtype", "vocab_size", "draft_ids")
+        if any(mine.get(k) != meta.get(k) for k in keys):
+            return False
+        theirs, ours = mine.get("fingerprint", {}), meta.get("fingerprint", {})
+        if any(theirs.get(k) is None or theirs.get(k) != ours.get(k) for k in ("target", "draft_vocab")):
+            return False
+        a, b = mine.get("shard_hashes") or [], meta.get("shard_hashes") or []
+        return s < len(a) and s < len(b) and a[s] == b[s] and (self.directory / _shard_name(s)).is_file()
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """``src`` at ``dst`` atomically: a hard link where the file system allows, else a copy."""
+    import shutil
+
+    with atomic_file(dst) as tmp:
+        tmp.unlink()
+        try:
+            os.link(src, tmp)
+        except OSError:
+            shutil.copyfile(src, tmp)
 
 
 def _shard_name(s: int) -> str:

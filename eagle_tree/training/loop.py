@@ -393,7 +393,7 @@ class _Run:
         return FeatureCache.build(Path(f.cache_dir or self.out_dir / "feature_cache"), self.target, self.examples,
                                   draft.draft_to_target.cpu(), examples_per_shard=f.examples_per_shard,
                                   rank=self.rank, world_size=self.world, barrier=self.acc.wait_for_everyone,
-                                  progress=self.cfg.progress and self.main)
+                                  progress=self.cfg.progress and self.main, reuse_from=f.reuse_from)
 
     def _restore(self) -> None:
         if self.resume_from is None:
