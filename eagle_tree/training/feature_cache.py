@@ -312,7 +312,7 @@ class FeatureCache:
                     mine.discard(s)
                     reused += 1
             plan[2:] = [t2d, per, mine]
-        if reused and progress:
+        if reused:  # said whether or not bars are shown: the log should tell what was not computed
             print(f"[feature cache] rank {rank}: {reused} shards taken from {', '.join(map(str, reuse_from))}",
                   flush=True)
         # caches of one shard size share each shard's forwards; a cache of another size builds on its own
