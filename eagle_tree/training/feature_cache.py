@@ -46,6 +46,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -158,11 +159,15 @@ def dataset_fingerprint(examples) -> str:
     """Hash of every example's ``input_ids`` and ``loss_mask``, in order."""
     h = hashlib.sha256()
     for ids, mask in iter_token_columns(examples):
-        ids = np.asarray(ids, dtype=np.int64)
-        h.update(np.int64(len(ids)).tobytes())
-        h.update(ids.tobytes())
-        h.update(np.asarray(mask, dtype=np.int8).tobytes())
+        _hash_example(h, ids, mask)
     return h.hexdigest()
+
+
+def _hash_example(h, ids, mask) -> None:
+    ids = np.asarray(ids, dtype=np.int64)
+    h.update(np.int64(len(ids)).tobytes())
+    h.update(ids.tobytes())
+    h.update(np.asarray(mask, dtype=np.int8).tobytes())
 
 
 def shard_hashes(examples, examples_per_shard: int) -> list[str]:
@@ -174,10 +179,7 @@ def shard_hashes(examples, examples_per_shard: int) -> list[str]:
             if h is not None:
                 hashes.append(h.hexdigest())
             h = hashlib.sha256(np.int64(i).tobytes())
-        ids = np.asarray(ids, dtype=np.int64)
-        h.update(np.int64(len(ids)).tobytes())
-        h.update(ids.tobytes())
-        h.update(np.asarray(mask, dtype=np.int8).tobytes())
+        _hash_example(h, ids, mask)
     if h is not None:
         hashes.append(h.hexdigest())
     return hashes
@@ -420,8 +422,6 @@ class _ReuseSource:
 
 def _link_or_copy(src: Path, dst: Path) -> None:
     """``src`` at ``dst`` atomically: a hard link where the file system allows, else a copy."""
-    import shutil
-
     with atomic_file(dst) as tmp:
         tmp.unlink()
         try:
