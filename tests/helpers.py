@@ -1,9 +1,29 @@
-"""Test-only helpers around the head: a concatenating key/value store for ``Eagle3DraftModel.step``
-(the reference chains recompute paths with it) and ``follow``, a drafter's logits along a given chain."""
+"""Test-only helpers: ``load_script``, a repository script loaded as a module; around the head, a
+concatenating key/value store for ``Eagle3DraftModel.step`` (the reference chains recompute paths with
+it) and ``follow``, a drafter's logits along a given chain."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(relative: str) -> ModuleType:
+    """A repository script outside the package (``train/curve.py``, ``decode/head_report.py``) loaded
+    as a module by its path. It is registered in ``sys.modules`` under ``<folder>_<stem>`` before it
+    runs, as dataclasses look their module up there."""
+    path = ROOT / relative
+    spec = importlib.util.spec_from_file_location(f"{path.parent.name}_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 class PastKV:

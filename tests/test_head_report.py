@@ -2,27 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from eagle_tree.utils.checks import InputError
+from tests.helpers import load_script
 from tests.tiny_gguf import write_tiny_gguf
 
-ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = [(81, "writing", "Write a joke.", "Shorter."), (82, "math", "What is 2 + 2?", "And 3 + 3?"),
              (83, "coding", "Sort a list in Python.", "In reverse?")]
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("head_report", ROOT / "decode" / "head_report.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("decode/head_report.py")
 
 
 @pytest.fixture(scope="module")

@@ -271,17 +271,12 @@ def test_quickstart_chat_stage_loads_the_models_as_the_mtbench_bench(chat_models
 
 
 def test_host_kernels_script_prints_each_job_and_its_check(chat_models, capsys):
-    import importlib.util
-    from pathlib import Path
-
     from eagle_tree.models.prepack import prepack_available
+    from tests.helpers import load_script
 
     if not prepack_available():
         pytest.skip("this torch build lacks oneDNN's packed linear")
-    path = Path(__file__).resolve().parents[1] / "train" / "host_kernels.py"
-    spec = importlib.util.spec_from_file_location("host_kernels", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("train/host_kernels.py")
     module.main(["--target", str(chat_models["folder"]), "--head", str(chat_models["head"]), "--repeats", "1",
                  "--batch", "3", "--new-tokens", "4", "--prefill", "24", "--train-batch", "2"])
     rows = {line.split("|")[1].strip().split(",")[0]: line for line in capsys.readouterr().out.splitlines()

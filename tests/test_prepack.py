@@ -120,13 +120,8 @@ def test_negative_control_a_wrong_packed_weight_breaks_greedy_equality(one_row):
 
 
 def test_verify_rows_script_prints_both_kernels_and_checks_their_tokens(capsys):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "decode" / "verify_rows.py"
-    spec = importlib.util.spec_from_file_location("verify_rows", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from tests.helpers import load_script
+    module = load_script("decode/verify_rows.py")
     module.main(["--sizes", "1", "3", "--repeats", "1", "--past", "16", "--threads", "1"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 3 |")]
     assert len(rows) == 1 and rows[0].endswith("| yes |")

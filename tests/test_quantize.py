@@ -143,13 +143,8 @@ def test_bench_with_head_int8_matches_plain_and_records_it(assets, tmp_path):
 
 
 def test_int8_rows_script_times_both_and_checks_the_top_token(assets, capsys):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "decode" / "int8_rows.py"
-    spec = importlib.util.spec_from_file_location("int8_rows", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from tests.helpers import load_script
+    module = load_script("decode/int8_rows.py")
     rows = module.main(["--head", str(assets["head"]), "--rows", "1", "3", "--calls", "2", "--repeats", "2"])
     assert [r["rows"] for r in rows] == [1, 3]
     assert all(r["float32_ms"] > 0 and r["int8_ms"] > 0 and 0 <= r["same_top"] <= 1 for r in rows)

@@ -145,15 +145,10 @@ def test_prompts_are_held_out_by_file():
 
 def test_build_recipe_takes_key_value_options():
     """train/build_reference.py uses the config convention of every command: key=value, ranges checked."""
-    import importlib.util
-    import sys
-
     from eagle_tree.utils.config import ConfigError, load_config
+    from tests.helpers import load_script
 
-    spec = importlib.util.spec_from_file_location("build_reference", ASSETS.parents[1] / "train" / "build_reference.py")
-    recipe = importlib.util.module_from_spec(spec)
-    sys.modules["build_reference"] = recipe  # dataclasses look their module up
-    spec.loader.exec_module(recipe)
+    recipe = load_script("train/build_reference.py")
     cfg = load_config(recipe.BuildConfig, None, ["target_steps=3241", "embed_std=1.0", "out=/tmp/x"])
     assert (cfg.target_steps, cfg.embed_std, cfg.out) == (3241, 1.0, "/tmp/x")
     with pytest.raises(ConfigError, match="config key batch_size must be an integer >= 1"):

@@ -369,14 +369,10 @@ def test_from_pretrained_uses_grouped_sdpa_by_default(tmp_path):
 
 
 def test_grouped_rows_script_times_both_and_checks_identical_logits(tmp_path, capsys):
-    import importlib.util
-    from pathlib import Path
+    from tests.helpers import load_script
 
     _model("llama").save_pretrained(tmp_path)
-    path = Path(__file__).resolve().parents[1] / "decode" / "grouped_rows.py"
-    spec = importlib.util.spec_from_file_location("grouped_rows", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("decode/grouped_rows.py")
     module.main(["--target", str(tmp_path), "--sizes", "1", "4", "--past", "12", "--repeats", "1", "--threads", "1"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 12 |")]
     assert len(rows) == 2 and all(row.endswith("| yes |") for row in rows)

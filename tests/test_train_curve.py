@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import load_script
 
 
 def _curve():
-    spec = importlib.util.spec_from_file_location("train_curve", ROOT / "train" / "curve.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("train/curve.py")
 
 
 def _summary(path: Path, evals: list[tuple[float, int, float]]) -> Path:

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import load_script
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("train_data_curve", ROOT / "train" / "data_curve.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("train/data_curve.py")
 
 
 def _report(path: Path, agreement: list[float], chain: float, prompts: str = "p.jsonl") -> str:

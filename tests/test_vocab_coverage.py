@@ -3,15 +3,11 @@ training data, counted on loss-masked tokens only."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-spec = importlib.util.spec_from_file_location(
-    "vocab_coverage", Path(__file__).resolve().parents[1] / "train" / "vocab_coverage.py")
-vocab_coverage = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(vocab_coverage)
+from tests.helpers import load_script
+
+vocab_coverage = load_script("train/vocab_coverage.py")
 
 
 def _ex(ids, mask):
