@@ -11,7 +11,9 @@ target per draft step on the target's greedy continuations of the prompts. Print
 
 With ``mtbench=true`` the prompts are MT-bench's first turns (file order), rendered with the target's chat
 template as the bench renders them: a head-only measure of acceptance on MT-bench with no timing in it.
-MT-bench is a test set: report on it, never tune on it.
+The report then also holds each category's figures (``by_category``); the overall figures pool the
+categories exactly (rounds and counted tokens as weights). MT-bench is a test set: report on it, never
+tune on it.
 """
 
 from __future__ import annotations
@@ -73,15 +75,30 @@ class HeadReportConfig:
     """torch CPU threads"""
 
 
-def prompt_texts(cfg: HeadReportConfig, tokenizer) -> tuple[list[str], str]:
-    """The first ``num_prompts`` prompt texts and the name of their set."""
+def prompt_texts(cfg: HeadReportConfig, tokenizer) -> tuple[list[str], str, list[str] | None]:
+    """The first ``num_prompts`` prompt texts, the name of their set and, for MT-bench, each one's category."""
     if not cfg.mtbench:
-        return [p.text for p in read_prompt_file(cfg.prompts)[: cfg.num_prompts]], cfg.prompts
+        return [p.text for p in read_prompt_file(cfg.prompts)[: cfg.num_prompts]], cfg.prompts, None
     from eagle_tree.bench.mtbench import load_questions, locate_questions, render
 
     questions = load_questions(cfg.mtbench_questions)[: cfg.num_prompts]
     texts = [render(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]
-    return texts, f"MT-bench turn 1 ({locate_questions(cfg.mtbench_questions)})"
+    return texts, f"MT-bench turn 1 ({locate_questions(cfg.mtbench_questions)})", [q.category for q in questions]
+
+
+def pooled(parts: list[dict]) -> dict:
+    """The figures of several ``evaluate_acceptance`` results as one run over all their prompts: acceptance
+    lengths weighted by rounds, agreement by the tokens counted at each step (prompts decode independently,
+    so this equals one run over the union)."""
+    out = {}
+    for mode in ("chain", "tree"):
+        rounds = sum(r[f"rounds_{mode}"] for r in parts)
+        out[f"acceptance_length_{mode}"] = sum(r[f"acceptance_length_{mode}"] * r[f"rounds_{mode}"]
+                                               for r in parts) / max(rounds, 1)
+    counts = [sum(c) for c in zip(*(r.get("agreement_counts", []) for r in parts), strict=True)]
+    out["agreement"] = [sum(r["agreement"][s] * r["agreement_counts"][s] for r in parts) / max(n, 1)
+                        for s, n in enumerate(counts)]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,23 +110,34 @@ def main(argv: list[str] | None = None) -> int:
     layers = json.loads(open(f"{cfg.head}/config.json").read()).get("feature_layers")
     target = TargetModel.from_pretrained(cfg.target, feature_layers=layers)
     head = Eagle3DraftModel.from_pretrained(cfg.head, target=target)
-    texts, prompt_set = prompt_texts(cfg, tokenizer)
+    texts, prompt_set, categories = prompt_texts(cfg, tokenizer)
     prompt_ids = [tokenizer(t, return_tensors="pt")["input_ids"][0][-cfg.max_prompt_tokens :] for t in texts]
     copy_ids = [tokenizer(t, return_tensors="pt")["input_ids"][0]
                 for t in copy_prompts(cfg.copy_prompts, cfg.copy_num_prompts)]
     ev = EvalSection(max_new_tokens=cfg.max_new_tokens, chain_length=cfg.chain_length, tree_depth=cfg.tree_depth,
                      tree_top_k=cfg.tree_top_k, tree_total_tokens=cfg.tree_total_tokens,
                      copy_chain_length=cfg.copy_chain_length, copy_max_new_tokens=cfg.copy_max_new_tokens)
-    result = evaluate_acceptance(target, head, prompt_ids, ev, eos_token_id=tokenizer.eos_token_id,
-                                 copy_ids=copy_ids, agreement_steps=cfg.agreement_steps)
+    groups: dict[str, list[torch.Tensor]] = {}
+    for ids, group in zip(prompt_ids, categories or ["all"] * len(prompt_ids), strict=True):
+        groups.setdefault(group, []).append(ids)
+    parts = {group: evaluate_acceptance(target, head, ids, ev, eos_token_id=tokenizer.eos_token_id,
+                                        agreement_steps=cfg.agreement_steps) for group, ids in groups.items()}
+    copy = evaluate_acceptance(target, head, [], ev, copy_ids=copy_ids) if copy_ids else {}
+    result = pooled(list(parts.values()))
     report = {"head": cfg.head, "prompts": prompt_set, "num_prompts": len(prompt_ids),
               "max_new_tokens": cfg.max_new_tokens,
               "chain": f"chain-{cfg.chain_length}", "acceptance_length_chain": result["acceptance_length_chain"],
               "tree": f"tree-d{cfg.tree_depth}k{cfg.tree_top_k}n{cfg.tree_total_tokens}",
               "acceptance_length_tree": result["acceptance_length_tree"],
               "copy_chain": f"chain-{cfg.copy_chain_length}",
-              "acceptance_length_copy_chain": result["acceptance_length_copy_chain"],
+              "acceptance_length_copy_chain": copy.get("acceptance_length_copy_chain"),
               "agreement_per_step": [round(a, 4) for a in result["agreement"]]}
+    if categories:
+        report["by_category"] = {
+            group: {"num_prompts": len(groups[group]), "acceptance_length_chain": r["acceptance_length_chain"],
+                    "acceptance_length_tree": r["acceptance_length_tree"],
+                    "agreement_per_step": [round(a, 4) for a in r.get("agreement", [])]}
+            for group, r in parts.items()}
     print(json.dumps(report, indent=1))
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +11,7 @@ from eagle_tree.utils.checks import InputError
 from tests.helpers import load_script
 from tests.tiny_gguf import write_tiny_gguf
 
+ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = [(81, "writing", "Write a joke.", "Shorter."), (82, "math", "What is 2 + 2?", "And 3 + 3?"),
              (83, "coding", "Sort a list in Python.", "In reverse?")]
 
@@ -39,7 +41,8 @@ def test_mtbench_prompts_are_first_turns_rendered_as_the_bench_renders_them(chat
     mod = _module()
     cfg = mod.HeadReportConfig(target=str(chat["folder"]), mtbench=True, mtbench_questions=str(chat["questions"]),
                                num_prompts=2)
-    texts, name = mod.prompt_texts(cfg, chat["tokenizer"])
+    texts, name, categories = mod.prompt_texts(cfg, chat["tokenizer"])
+    assert categories == ["writing", "math"]
     assert texts == [render(chat["tokenizer"], [{"role": "user", "content": q}])
                      for q in ("Write a joke.", "What is 2 + 2?")]
     assert "<|im_start|>user\nWrite a joke.<|im_end|>" in texts[0] and "Shorter." not in texts[0]
@@ -48,7 +51,7 @@ def test_mtbench_prompts_are_first_turns_rendered_as_the_bench_renders_them(chat
     prompts = chat["questions"].parent / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "hello there"}) + "\n")
     plain = mod.HeadReportConfig(prompts=str(prompts), mtbench_questions=str(chat["questions"]))
-    assert mod.prompt_texts(plain, chat["tokenizer"]) == (["hello there"], str(prompts))
+    assert mod.prompt_texts(plain, chat["tokenizer"]) == (["hello there"], str(prompts), None)
 
 
 def test_report_runs_on_mtbench(chat, capsys):
@@ -59,6 +62,39 @@ def test_report_runs_on_mtbench(chat, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["num_prompts"] == 3 and report["prompts"].startswith("MT-bench turn 1")
     assert len(report["agreement_per_step"]) == 4 and report["acceptance_length_chain"] >= 1.0
+    assert {c: v["num_prompts"] for c, v in report["by_category"].items()} == {"writing": 1, "math": 1, "coding": 1}
+
+
+def test_categories_pool_to_one_run_over_all_prompts():
+    """The overall figures pooled from per-category runs equal one evaluation over every prompt; an
+    unweighted mean of the parts (the negative control) does not. The shipped reference target and head:
+    a trained head, so the parts differ in rounds and agreement."""
+    from transformers import AutoTokenizer
+
+    from eagle_tree.models.head import Eagle3DraftModel
+    from eagle_tree.models.target import TargetModel
+    from eagle_tree.training.config import EvalSection
+    from eagle_tree.training.evaluate import evaluate_acceptance
+
+    mod = _module()
+    target = TargetModel.from_pretrained(str(ROOT / "assets" / "reference" / "target"))
+    head = Eagle3DraftModel.from_pretrained(str(ROOT / "assets" / "reference" / "head"), target=target)
+    tok = AutoTokenizer.from_pretrained(str(ROOT / "assets" / "reference" / "target"))
+    prompts = [tok(t, return_tensors="pt")["input_ids"][0] for t in
+               ("def add(a, b):\n    return", "import os\nimport sys\n\n\nclass ", "for i in range(10):\n   ")]
+    ev = EvalSection(max_new_tokens=24, chain_length=4, tree_depth=3, tree_top_k=2, tree_total_tokens=6)
+    parts = [evaluate_acceptance(target, head, [prompts[0]], ev, agreement_steps=2),
+             evaluate_acceptance(target, head, prompts[1:], ev, agreement_steps=2)]
+    whole = evaluate_acceptance(target, head, prompts, ev, agreement_steps=2)
+    got = mod.pooled(parts)
+    for mode in ("chain", "tree"):
+        assert got[f"acceptance_length_{mode}"] == pytest.approx(whole[f"acceptance_length_{mode}"], abs=1e-12)
+    assert got["agreement"] == pytest.approx(whole["agreement"], abs=1e-12)
+    assert whole["agreement_counts"] == [sum(c) for c in zip(*(p["agreement_counts"] for p in parts), strict=True)]
+    # negative control: the unweighted mean of the parts is another figure
+    assert parts[0]["rounds_chain"] != parts[1]["rounds_chain"]
+    mean = sum(p["acceptance_length_chain"] for p in parts) / len(parts)
+    assert mean != pytest.approx(whole["acceptance_length_chain"], abs=1e-6)
 
 
 def test_missing_questions_file_is_named(chat, tmp_path):

@@ -28,7 +28,8 @@ def evaluate_acceptance(target, draft, prompt_ids: list[torch.Tensor], ev: EvalS
     round) and the survival curve Pr(A >= i) of accepted draft tokens A, per mode; with ``copy_ids``, also
     the chain of ``ev.copy_chain_length`` on the copying prompts (``acceptance_length_copy_chain``); with
     ``agreement_steps``, the head's top-1 agreement per draft step on the greedy continuations the chain
-    decoded (the target's own text: ``agreement``, see :func:`heldout_agreement`)."""
+    decoded (the target's own text: ``agreement``, and the tokens counted per step, ``agreement_counts``;
+    see :func:`heldout_agreement`)."""
     from eagle_tree.core.sampling import SamplingConfig
     from eagle_tree.decoding.decoder import SpeculativeDecoder
     from eagle_tree.decoding.drafting import TreeConfig
@@ -50,8 +51,9 @@ def evaluate_acceptance(target, draft, prompt_ids: list[torch.Tensor], ev: EvalS
                     for ids in ids_list]
             summary = summarize(mode, 0.0, outs, depth=shape.depth)
             if mode == "chain" and agreement_steps:
-                result["agreement"] = heldout_agreement(
-                    target, head, [(o.sequences[0], o.prompt_length) for o in outs], agreement_steps)
+                result["agreement"], result["agreement_counts"] = heldout_agreement(
+                    target, head, [(o.sequences[0], o.prompt_length) for o in outs], agreement_steps,
+                    with_counts=True)
             result[f"acceptance_length_{mode}"] = summary.acceptance_length
             result[f"survival_{mode}"] = summary.survival
             result[f"rounds_{mode}"] = summary.rounds
@@ -61,10 +63,12 @@ def evaluate_acceptance(target, draft, prompt_ids: list[torch.Tensor], ev: EvalS
 
 
 @torch.no_grad()
-def heldout_agreement(target, draft, sequences: list[tuple[torch.Tensor, int]], steps: int) -> list[float]:
+def heldout_agreement(target, draft, sequences: list[tuple[torch.Tensor, int]], steps: int,
+                      with_counts: bool = False) -> list[float] | tuple[list[float], list[int]]:
     """Top-1 agreement of the head with the target at each training-time-test step (as ``train/acc_s``) on
     ``sequences``: (token ids (T,), start) pairs, the predicted tokens at positions >= start counted
-    (token-weighted over every sequence)."""
+    (token-weighted over every sequence). ``with_counts``: also the number of tokens counted per step,
+    so that agreements on several sets pool exactly."""
     was_training = draft.training
     draft.eval()
     agree, count = [0.0] * steps, [0] * steps
@@ -79,4 +83,5 @@ def heldout_agreement(target, draft, sequences: list[tuple[torch.Tensor, int]], 
                 count[s] += out.step_counts[s]
     finally:
         draft.train(was_training)
-    return [a / max(n, 1) for a, n in zip(agree, count, strict=True)]
+    agreement = [a / max(n, 1) for a, n in zip(agree, count, strict=True)]
+    return (agreement, count) if with_counts else agreement
