@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         groups.setdefault(group, []).append(ids)
     parts = {group: evaluate_acceptance(target, head, ids, ev, eos_token_id=tokenizer.eos_token_id,
                                         agreement_steps=cfg.agreement_steps) for group, ids in groups.items()}
-    copy = evaluate_acceptance(target, head, [], ev, copy_ids=copy_ids) if copy_ids else {}
+    copy = (evaluate_acceptance(target, head, [], ev, eos_token_id=tokenizer.eos_token_id, copy_ids=copy_ids)
+            if copy_ids else {})
     result = pooled(list(parts.values()))
     report = {"head": cfg.head, "prompts": prompt_set, "num_prompts": len(prompt_ids),
               "max_new_tokens": cfg.max_new_tokens,
