@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from eagle_tree.utils.checks import InputError
-from tests.helpers import load_script
+from tests.helpers import ROOT, load_script
 from tests.tiny_gguf import write_tiny_gguf
 
-ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = [(81, "writing", "Write a joke.", "Shorter."), (82, "math", "What is 2 + 2?", "And 3 + 3?"),
              (83, "coding", "Sort a list in Python.", "In reverse?")]
 
