@@ -36,6 +36,7 @@ from eagle_tree.reference.chat_data import (
 )
 from eagle_tree.training.data import encode_conversation
 from eagle_tree.utils.prompts import read_prompt_file
+from tests.helpers import ROOT
 from tests.tiny_gguf import SYSTEM_PROMPT, write_tiny_gguf
 
 SYSTEM = f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n"
@@ -66,7 +67,7 @@ def ending_questions(model, tokenizer):
     real_sample = chat_data.sample
 
     def sample_turn(model, tokenizer, texts, *args, **kwargs):
-        state["user_turn"] = all(t.endswith(USER_HEADER) for t in texts)
+        state["user_turn"] = all(t[t.rindex("<|im_start|>"):].startswith(USER_HEADER) for t in texts)  # openers too
         try:
             return real_sample(model, tokenizer, texts, *args, **kwargs)
         finally:
@@ -227,6 +228,7 @@ def test_build_chat_data_writes_the_splits_and_stats(built, tokenizer):
     assert json.loads((out / "stats.json").read_text()) == summary
     assert summary["settings"]["conversations"] == 6 and summary["generated_reply_tokens"] > 0
     assert summary["batches_target_prepack"] == 0  # the fixture's run is on F.linear
+    assert "by_category" not in summary  # no openers: the summary and rows of runs made before openers existed
     by_split = {s: [json.loads(line) for line in (out / f"{s}.jsonl").read_text().splitlines()] for s in SPLITS}
     assert summary["by_split"] == {s: len(r) for s, r in by_split.items()}
     assert sorted(map(json.dumps, sum(by_split.values(), []))) == sorted(map(json.dumps, rows))
@@ -235,6 +237,7 @@ def test_build_chat_data_writes_the_splits_and_stats(built, tokenizer):
         conv = r["conversations"]
         assert len(conv) in (2, 4) and [m["role"] for m in conv] == ["user", "assistant"] * (len(conv) // 2)
         assert all(isinstance(m["content"], str) and set(m) == {"role", "content"} for m in conv)
+        assert set(r) == {"conversations", "reply_temperature", "batch", "split"}
         assert all(m["content"].strip() and not chat_data.ROLE_MARKERS.search(m["content"])
                    for m in conv if m["role"] == "user")
         assert r["split"] == split_of(conv[0]["content"], cfg.tuning_fraction, cfg.test_fraction)
@@ -274,9 +277,9 @@ def test_interrupted_run_resumes_to_the_same_rows(built, ending_questions, tmp_p
             "no marker": "".join(lines[:end])}
     real_batch, built_batches = chat_data.build_batch, []
 
-    def counted(model, tokenizer, cfg, b, seen):
+    def counted(model, tokenizer, cfg, b, seen, openers=None):
         built_batches.append(b)
-        return real_batch(model, tokenizer, cfg, b, seen)
+        return real_batch(model, tokenizer, cfg, b, seen, openers)
 
     monkeypatch.setattr(chat_data, "build_batch", counted)
     for name, text in cuts.items():
@@ -412,3 +415,115 @@ def test_a_folder_holding_files_chat_data_did_not_write_is_refused(tiny, model, 
     with pytest.raises(OutputPathError, match="train.jsonl"):
         build_chat_data(_cfg(tiny, out, conversations=1), model=model, tokenizer=tokenizer)
     assert (out / "train.jsonl").read_text() == '{"text": "my own data"}\n'
+
+
+# ----------------------------------------------------------------------------- written openers
+
+OPENERS = """\
+first:
+  writing: ["Write a short poem about", "Draft an email to  "]
+  math: ["Solve step by step:"]
+followup: ["Now make it shorter", "Explain why"]
+"""
+
+
+def _openers_file(tmp_path, text=OPENERS, name="openers.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_read_openers_parses_categories_and_plain_lists(tmp_path):
+    op = chat_data.read_openers(_openers_file(tmp_path))
+    assert op.first == (("writing", "Write a short poem about"), ("writing", "Draft an email to"),
+                        ("math", "Solve step by step:"))  # trailing spaces stripped: a token the model never sees
+    assert op.followup == ("Now make it shorter", "Explain why")
+    plain = chat_data.read_openers(_openers_file(tmp_path, '{"first": ["Tell me", "List"]}', "plain.json"))
+    assert plain.first == (("", "Tell me"), ("", "List")) and plain.followup == ()
+    moved = chat_data.read_openers(_openers_file(tmp_path, OPENERS, "elsewhere.yaml"))
+    assert moved.digest == op.digest != plain.digest
+
+
+@pytest.mark.parametrize("text, match", [
+    ("followup: [a]", "expected a mapping with 'first'"),
+    ("first: [a]\nsecond: [b]", r"expected a mapping.*\['first', 'second'\]"),
+    ("- a\n- b", "expected a mapping.*got list"),
+    ("first: []", "first must be a non-empty list"),
+    ("first: {writing: [Write, 3]}", r"first.writing\[1\] must be a non-empty string, got 3"),
+    ("first: ['  ']", r"first\[0\] must be a non-empty string"),
+    ("first:\n  - Solve this riddle:", r"first\[0\] must be a non-empty string.*quote it"),
+    ('first: [Write]\nfollowup: ["Sure.\\nassistant: ok"]', r"followup\[0\] holds a role marker"),
+    ("first: [a\n  b: c", "not YAML or JSON"),
+])
+def test_read_openers_names_what_is_wrong(tmp_path, text, match):
+    with pytest.raises(ValueError, match=match):
+        chat_data.read_openers(_openers_file(tmp_path, text))
+
+
+def test_read_openers_names_a_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such file.*'first' list"):
+        chat_data.read_openers(tmp_path / "missing.yaml")
+
+
+def test_fingerprint_holds_the_openers_content_not_their_path(tiny, tokenizer, tmp_path):
+    cfg = _cfg(tiny, tmp_path)
+    a = replace(cfg, openers=str(_openers_file(tmp_path)))
+    b = replace(cfg, openers=str(_openers_file(tmp_path, OPENERS, "copy.yaml")))
+    c = replace(cfg, openers=str(_openers_file(tmp_path, OPENERS.replace("Explain why", "Say why"), "c.yaml")))
+    assert fingerprint(a, tokenizer) == fingerprint(b, tokenizer)
+    assert len({fingerprint(cfg, tokenizer), fingerprint(a, tokenizer), fingerprint(c, tokenizer)}) == 3
+
+
+def test_the_shipped_data_still_resumes_under_these_settings(tokenizer):
+    """A run without openers keeps the fingerprint it had before openers existed: the SmolLM2 data's
+    partial file (written then) is resumed, not refused, by its own recorded settings."""
+    data = ROOT / "assets" / "smollm2" / "data"
+    settings = json.loads((data / "stats.json").read_text())["settings"]
+    cfg = ChatDataConfig(**settings)
+    assert cfg.openers is None
+    with open(data / "rows.partial.jsonl") as f:
+        marker = next(json.loads(line) for line in f if line.startswith(f'{{"{MARKER}"'))
+    assert fingerprint(cfg, tokenizer) == marker["fingerprint"]
+    assert fingerprint(replace(cfg, seed=1), tokenizer) != marker["fingerprint"]  # the check can fail
+
+
+def test_openers_start_the_user_turns_the_model_completes(ending_questions, tiny, tmp_path, monkeypatch):
+    model, tokenizer = ending_questions
+    path = _openers_file(tmp_path)
+    op = chat_data.read_openers(path)
+    seen_texts = []
+    real_sample = chat_data.sample
+
+    def recorded(model, tokenizer, texts, *args, **kwargs):
+        seen_texts.append(list(texts))
+        return real_sample(model, tokenizer, texts, *args, **kwargs)
+
+    monkeypatch.setattr(chat_data, "sample", recorded)
+    cfg = _cfg(tiny, tmp_path / "out", openers=str(path), conversations=8, batch_size=4, max_prompt_tokens=6)
+    summary = build_chat_data(cfg, model, tokenizer)
+    rows = _rows(tmp_path / "out")
+    assert summary["conversations"] == len(rows) >= 8
+    firsts = {text for _, text in op.first}
+    category = dict((text, cat) for cat, text in op.first)
+    # the model is conditioned on the opener: every user-turn prompt it sampled from ends with one
+    user_prompts = [t for batch in seen_texts for t in batch if t[t.rindex("<|im_start|>"):].startswith(USER_HEADER)]
+    assert user_prompts and all(any(t.endswith(USER_HEADER + o) for o in firsts) or
+                                any(t.endswith(USER_HEADER + o) for o in op.followup) for t in user_prompts)
+    two_turn = 0
+    for r in rows:
+        started = r["openers"]
+        assert started["first"] in firsts and started["category"] == category[started["first"]]
+        assert r["conversations"][0]["content"].startswith(started["first"])
+        if len(r["conversations"]) == 4:
+            two_turn += 1
+            assert started["followup"] in op.followup
+            assert r["conversations"][2]["content"].startswith(started["followup"])
+        else:
+            assert started["followup"] is None
+    assert two_turn > 0
+    assert summary["by_category"] == {c: sum(r["openers"]["category"] == c for r in rows) for c in ("writing", "math")
+                                      if any(r["openers"]["category"] == c for r in rows)}
+    assert sum(summary["by_category"].values()) == len(rows)
+    # repeatable: the same settings write the same rows
+    again = build_chat_data(replace(cfg, output=str(tmp_path / "again")), model, tokenizer)
+    assert _rows(tmp_path / "again") == rows and again["by_category"] == summary["by_category"]

@@ -100,3 +100,26 @@ def test_missing_questions_file_is_named(chat, tmp_path):
     cfg = mod.HeadReportConfig(mtbench=True, mtbench_questions=str(tmp_path / "none.jsonl"))
     with pytest.raises(InputError, match="none.jsonl: no such file"):
         mod.prompt_texts(cfg, chat["tokenizer"])
+
+
+def test_every_decode_stops_at_the_chat_models_eos(chat, monkeypatch, capsys):
+    """The prompts' decodes and the copying set's both stop at the tokenizer's end-of-turn token (a
+    split of the evaluation once dropped it from the copying set's call): each evaluate_acceptance call
+    the report makes is given the eos id."""
+    mod = _module()
+    calls = []
+    real = mod.evaluate_acceptance
+
+    def recorded(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mod, "evaluate_acceptance", recorded)
+    assert mod.main([f"target={chat['folder']}", f"head={chat['head']}", "mtbench=true",
+                     f"mtbench_questions={chat['questions']}", "num_prompts=2", "max_new_tokens=3",
+                     "copy_num_prompts=1", "copy_max_new_tokens=3", "threads=1"]) == 0
+    capsys.readouterr()
+    eos = chat["tokenizer"].eos_token_id
+    assert eos == 2  # <|im_end|> of the tiny ChatML file
+    assert len(calls) == 3 and sum(bool(c.get("copy_ids")) for c in calls) == 1  # two categories, one copy set
+    assert [c.get("eos_token_id") for c in calls] == [eos] * 3

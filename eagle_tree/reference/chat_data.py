@@ -15,6 +15,12 @@ to the questions users ask; both can be drawn from the model:
    so the model writes a follow-up question and then answers it: training sees contexts as long as
    MT-bench's second turn.
 
+**Written openers** (``openers=FILE``, optional): a user turn may start from a written opener, a few
+words of a kind of request (``Write a limerick about``, ``Read the passage below and list``), and the
+model writes the rest of the turn, so a short file steers the data towards the requests a benchmark
+asks without holding any of its questions. ``first`` openers start first turns (drawn uniformly, with
+the category they are filed under recorded in the row), ``followup`` openers start second turns.
+
 Batch ``b`` draws from seeds derived from ``(seed, b, stage)``, so a run is repeatable. Finished
 batches are appended to ``OUTPUT/rows.partial.jsonl`` with a marker line; a rerun of the same settings
 resumes after the last marker, and a rerun with a larger ``conversations`` extends the file. When the
@@ -34,6 +40,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import re
 import time
 from dataclasses import asdict, dataclass
@@ -84,6 +91,11 @@ class ChatDataConfig:
     """Share of conversations kept for tuning (by a hash of the first prompt)."""
     test_fraction: float = 0.04
     """Share of conversations kept for testing."""
+    openers: str | None = None
+    """A YAML or JSON file of written openers: ``first`` (a list, or a mapping of category to lists) starts
+    each first user turn and ``followup`` (optional) each second; the model writes the rest of the turn
+    (the module docstring). None: Magpie prompts alone. The file's content, not its path, is in the
+    data's fingerprint."""
     seed: int = 0
     """Base seed; batch b, stage s draw from a seed derived from (seed, b, s)."""
     max_minutes: float | None = None
@@ -131,6 +143,58 @@ def reply_prompt(tokenizer, messages: list[dict]) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+@dataclass(frozen=True)
+class Openers:
+    """Written starts of user turns (``ChatDataConfig.openers``)."""
+
+    first: tuple[tuple[str, str], ...]
+    """(category, opener) pairs for first turns; the category is ``""`` when the file gives a plain list."""
+    followup: tuple[str, ...]
+    """Openers of second turns; empty: the model writes second turns from nothing (Magpie)."""
+    digest: str
+    """sha256 of the parsed content (what the data's fingerprint records)."""
+
+
+def read_openers(path: str | os.PathLike) -> Openers:
+    """Parse and check an openers file; a clear error names what is wrong and how to write it."""
+    import yaml
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise FileNotFoundError(f"openers={path}: no such file (a YAML file with a 'first' list; "
+                                f"see assets/smollm2/openers.yaml)")
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise ValueError(f"openers={path}: not YAML or JSON ({exc})") from exc
+    if not isinstance(raw, dict) or "first" not in raw or set(raw) - {"first", "followup"}:
+        raise ValueError(f"openers={path}: expected a mapping with 'first' (a list of strings, or categories "
+                         f"of lists) and optionally 'followup' (a list), got "
+                         f"{sorted(raw) if isinstance(raw, dict) else type(raw).__name__}")
+
+    def strings(value, where: str) -> list[str]:
+        if not isinstance(value, list) or not value:
+            raise ValueError(f"openers={path}: {where} must be a non-empty list of strings")
+        out = []
+        for i, text in enumerate(value):
+            if not isinstance(text, str) or not text.strip():
+                hint = " (YAML reads an unquoted 'text:' as a mapping: quote it)" if isinstance(text, dict) else ""
+                raise ValueError(f"openers={path}: {where}[{i}] must be a non-empty string, got {text!r}{hint}")
+            if ROLE_MARKERS.search(text):
+                raise ValueError(f"openers={path}: {where}[{i}] holds a role marker: {text!r}")
+            out.append(text.strip())  # a trailing space would be a token of its own, one the model never sees
+        return out
+
+    first = raw["first"]
+    if isinstance(first, dict):
+        pairs = [(str(cat), t) for cat, texts in first.items() for t in strings(texts, f"first.{cat}")]
+    else:
+        pairs = [("", t) for t in strings(first, "first")]
+    followup = strings(raw["followup"], "followup") if raw.get("followup") is not None else []
+    digest = hashlib.sha256(json.dumps([pairs, followup]).encode()).hexdigest()
+    return Openers(tuple(pairs), tuple(followup), digest)
+
+
 def normalise(text: str) -> str:
     return " ".join(text.lower().split())
 
@@ -176,15 +240,19 @@ def usable_prompt(text: str, ended: bool, cfg: ChatDataConfig) -> bool:
     return ended and len(text.strip()) >= cfg.min_prompt_chars and not ROLE_MARKERS.search(text)
 
 
-def build_batch(model, tokenizer, cfg: ChatDataConfig, b: int, seen: set[str]) -> tuple[list[dict], dict]:
+def build_batch(model, tokenizer, cfg: ChatDataConfig, b: int, seen: set[str],
+                openers: Openers | None = None) -> tuple[list[dict], dict]:
     """One batch of conversations (maybe fewer than ``batch_size`` after filtering) and its counts."""
     t0 = time.perf_counter()
     first = turn_prefix(tokenizer, [])
-    asked = sample(model, tokenizer, [first] * cfg.batch_size, cfg.max_prompt_tokens, cfg.prompt_temperature,
-                   cfg.prompt_top_p, stage_seed(cfg.seed, b, 0))
+    draw = random.Random(stage_seed(cfg.seed, b, -1))
+    picks = [draw.choice(openers.first) for _ in range(cfg.batch_size)] if openers else [("", "")] * cfg.batch_size
+    asked = sample(model, tokenizer, [first + opener for _, opener in picks], cfg.max_prompt_tokens,
+                   cfg.prompt_temperature, cfg.prompt_top_p, stage_seed(cfg.seed, b, 0))
     convs, dropped = [], {"unfinished": 0, "short_or_marked": 0, "duplicate": 0}
-    for ids, ended in asked:
-        text = tokenizer.decode(ids, skip_special_tokens=True).strip()
+    started: dict[int, dict] = {}  # id(conversation) -> the openers it was written from
+    for (category, opener), (ids, ended) in zip(picks, asked, strict=True):
+        text = (opener + tokenizer.decode(ids, skip_special_tokens=True)).strip()
         if not ended:
             dropped["unfinished"] += 1
         elif not usable_prompt(text, ended, cfg):
@@ -194,6 +262,8 @@ def build_batch(model, tokenizer, cfg: ChatDataConfig, b: int, seen: set[str]) -
         else:
             seen.add(normalise(text))
             convs.append([{"role": "user", "content": text}])
+            if openers:
+                started[id(convs[-1])] = {"category": category, "first": opener, "followup": None}
     temperature = 0.0 if b % 2 == 0 else cfg.reply_temperature
     tokens = {"prompt": sum(len(i) for i, _ in asked), "reply": 0}
     ended_replies = 0
@@ -201,13 +271,18 @@ def build_batch(model, tokenizer, cfg: ChatDataConfig, b: int, seen: set[str]) -
         if not convs:
             break
         if turn > 0:
-            follow = sample(model, tokenizer, [turn_prefix(tokenizer, c) for c in convs], cfg.max_prompt_tokens,
-                            cfg.prompt_temperature, cfg.prompt_top_p, stage_seed(cfg.seed, b, 2 * turn))
+            starts = ([draw.choice(openers.followup) for _ in convs] if openers and openers.followup
+                      else [""] * len(convs))
+            texts = [turn_prefix(tokenizer, c) + o for c, o in zip(convs, starts, strict=True)]
+            follow = sample(model, tokenizer, texts, cfg.max_prompt_tokens, cfg.prompt_temperature, cfg.prompt_top_p,
+                            stage_seed(cfg.seed, b, 2 * turn))
             tokens["prompt"] += sum(len(i) for i, _ in follow)
-            for c, (ids, ended) in zip(convs, follow, strict=True):  # an unusable follow-up: one turn only
-                text = tokenizer.decode(ids, skip_special_tokens=True).strip()
+            for c, o, (ids, ended) in zip(convs, starts, follow, strict=True):  # unusable follow-up: one turn only
+                text = (o + tokenizer.decode(ids, skip_special_tokens=True)).strip()
                 if usable_prompt(text, ended, cfg):
                     c.append({"role": "user", "content": text})
+                    if o:
+                        started[id(c)]["followup"] = o
         open_convs = [c for c in convs if c[-1]["role"] == "user"]
         if not open_convs:
             break
@@ -218,17 +293,27 @@ def build_batch(model, tokenizer, cfg: ChatDataConfig, b: int, seen: set[str]) -
             tokens["reply"] += len(ids)
             ended_replies += int(ended)
     rows = [{"conversations": c, "reply_temperature": temperature, "batch": b,
-             "split": split_of(c[0]["content"], cfg.tuning_fraction, cfg.test_fraction)} for c in convs]
+             "split": split_of(c[0]["content"], cfg.tuning_fraction, cfg.test_fraction),
+             **({"openers": started[id(c)]} if openers else {})} for c in convs]
     stats = {"batch": b, "rows": len(rows), "dropped": dropped, "tokens": tokens, "replies_ended": ended_replies,
              "seconds": round(time.perf_counter() - t0, 2), "target_prepack": cfg.target_prepack}
+    if openers:
+        stats["categories"] = {}
+        for r in rows:
+            cat = r["openers"]["category"]
+            stats["categories"][cat] = stats["categories"].get(cat, 0) + 1
     return rows, stats
 
 
-def fingerprint(cfg: ChatDataConfig, tokenizer) -> str:
-    """What the rows depend on: every setting except the run's size, time budget, kernels and output."""
+def fingerprint(cfg: ChatDataConfig, tokenizer, openers: Openers | None = None) -> str:
+    """What the rows depend on: every setting except the run's size, time budget, kernels and output;
+    for ``openers``, the file's parsed content (a run without openers keeps the fingerprint it had before
+    openers existed, so its files still resume)."""
     settings = {k: v for k, v in asdict(cfg).items()
                 if k not in ("output", "conversations", "max_minutes", "threads", "target_prepack", "progress",
-                             "target", "overwrite")}
+                             "target", "overwrite", "openers")}
+    if cfg.openers is not None:
+        settings["openers"] = (openers or read_openers(cfg.openers)).digest
     h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
     h.update(turn_prefix(tokenizer, []).encode())
     return h.hexdigest()[:16]
@@ -301,7 +386,8 @@ def build_chat_data(cfg: ChatDataConfig, model=None, tokenizer=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     mark_output_dir(out, KIND)
     partial = out / "rows.partial.jsonl"
-    fp = fingerprint(cfg, tokenizer)
+    openers = read_openers(cfg.openers) if cfg.openers is not None else None
+    fp = fingerprint(cfg, tokenizer, openers)
     rows, stats = read_partial(partial, fp)
     seen = {normalise(r["conversations"][0]["content"]) for r in rows}
     start = time.perf_counter()
@@ -312,7 +398,7 @@ def build_chat_data(cfg: ChatDataConfig, model=None, tokenizer=None) -> dict:
         while len(rows) < cfg.conversations:
             if cfg.max_minutes is not None and time.perf_counter() - start > 60 * cfg.max_minutes:
                 break
-            new, st = build_batch(model, tokenizer, cfg, b, seen)
+            new, st = build_batch(model, tokenizer, cfg, b, seen, openers)
             empty = 0 if new else empty + 1
             if empty >= EMPTY_BATCHES:
                 raise ValueError(f"{EMPTY_BATCHES} batches in a row gave no usable conversation "
@@ -345,6 +431,14 @@ def turn_prompts(tokenizer, split: str, rows: list[dict]) -> list[dict]:
     return out
 
 
+def _by_category(stats: list[dict]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for st in stats:
+        for cat, n in st.get("categories", {}).items():
+            total[cat] = total.get(cat, 0) + n
+    return total
+
+
 def write_splits(out: Path, rows: list[dict], stats: list[dict], tokenizer, cfg: ChatDataConfig) -> dict:
     by_split = {s: [r for r in rows if r["split"] == s] for s in SPLITS}
     for s, part in by_split.items():
@@ -365,6 +459,7 @@ def write_splits(out: Path, rows: list[dict], stats: list[dict], tokenizer, cfg:
         "dropped": {k: sum(st["dropped"][k] for st in stats) for k in stats[0]["dropped"]} if stats else {},
         "seconds": round(sum(st["seconds"] for st in stats), 1),
         "batches_target_prepack": sum(bool(st.get("target_prepack")) for st in stats),  # batches on packed kernels
+        **({"by_category": _by_category(stats)} if cfg.openers is not None else {}),
         "settings": asdict(cfg),
     }
     write_text(out / "stats.json", json.dumps(summary, indent=2) + "\n")
