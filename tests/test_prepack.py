@@ -127,3 +127,127 @@ def test_verify_rows_script_prints_both_kernels_and_checks_their_tokens(capsys):
     assert len(rows) == 1 and rows[0].endswith("| yes |")
     with pytest.raises(SystemExit):
         module.main(["--sizes", "2", "3"])  # no one-token step to compare with
+
+
+# ---- target_prepack: auto (time both kernels at load, keep the faster) ----
+
+LABELS = {"1 linear", "1 packed", "5 linear", "5 packed"}
+
+
+def _costs(one_packed: float, one_linear: float, five_packed: float, five_linear: float):
+    """A measure that returns these seconds and records the labels it was asked to time."""
+    seen = []
+
+    def measure(fns):
+        seen.append(set(fns))
+        for fn in fns.values():  # the callables run: a broken pass would raise here
+            fn()
+        return {"1 packed": one_packed, "1 linear": one_linear, "5 packed": five_packed, "5 linear": five_linear}
+    return measure, seen
+
+
+@pytest.mark.parametrize(("costs", "flags"), [
+    ((1.0, 2.0, 3.0, 4.0), (True, True)),     # packed faster at both row counts: every row count packed
+    ((2.0, 1.0, 3.0, 4.0), (False, True)),    # faster at five rows only: one-row steps keep F.linear
+    ((1.0, 2.0, 4.0, 3.0), (True, False)),    # faster at one row only
+], ids=["both", "several-rows", "one-row"])
+def test_auto_packs_exactly_the_row_counts_where_the_packed_copy_timed_faster(costs, flags):
+    from eagle_tree.models.prepack import choose_prepack, packed_kernels
+
+    model = copy.deepcopy(_models()[0])
+    measure, seen = _costs(*costs)
+    choice = choose_prepack(model, measure=measure)
+    assert seen == [LABELS]  # one interleaved measurement of both kernels at both row counts
+    assert (choice.one_row, choice.many_rows) == flags and choice.reason.startswith("auto")
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert layers and all((m.one_row, m.many_rows) == flags for m in layers)
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert packed_kernels(model) == choice.kernels() != False  # noqa: E712 - False is a possible value
+    assert choice.ms == {(1, "packed"): 1e3 * costs[0], (1, "linear"): 1e3 * costs[1],
+                         (5, "packed"): 1e3 * costs[2], (5, "linear"): 1e3 * costs[3]}
+    assert "F.linear" in choice.describe() and "packed" in choice.describe()
+
+
+def test_auto_unpacks_where_the_packed_copy_is_slower_and_the_model_is_the_same_model():
+    from eagle_tree.models.prepack import choose_prepack, packed_kernels
+
+    plain = _models()[0]
+    model = copy.deepcopy(plain)
+    weights = {name: p.data_ptr() for name, p in model.named_parameters()}
+    measure, _ = _costs(2.0, 1.0, 4.0, 3.0)  # packed slower at both: the Intel AMX host's case
+    choice = choose_prepack(model, measure=measure)
+    assert not choice.packs and choice.kernels() is False and packed_kernels(model) is False
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    assert sum(type(m) is nn.Linear for m in model.modules()) == sum(type(m) is nn.Linear for m in plain.modules())
+    assert {name: p.data_ptr() for name, p in model.named_parameters()} == weights  # the same parameters
+    if model.config.tie_word_embeddings:
+        assert model.lm_head.weight is model.get_input_embeddings().weight
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, plain(ids).logits)  # F.linear itself: bit-equal
+    # negative control: the same check on a model left packed for several rows sees other rounding or kernels
+    packed = copy.deepcopy(plain)
+    choose_prepack(packed, measure=_costs(2.0, 1.0, 3.0, 4.0)[0])
+    assert packed_kernels(packed) == "several-rows"
+    for module in packed.modules():
+        if isinstance(module, PackedLinear):
+            module._packed = torch.ops.mkldnn._reorder_linear_weight(-module.weight.detach(), None)
+    with torch.no_grad():
+        assert not torch.equal(packed(ids).logits, plain(ids).logits)
+
+
+def test_auto_with_the_real_clock_times_both_kernels_and_greedy_decoding_stays_exact():
+    from eagle_tree.models.prepack import choose_prepack
+
+    model = copy.deepcopy(_models()[0])
+    choice = choose_prepack(model, repeats=1)
+    assert set(choice.ms) == {(1, "linear"), (1, "packed"), (5, "linear"), (5, "packed")}
+    assert all(v > 0 for v in choice.ms.values())
+    n = 24
+    target = TargetModel(model)
+    drafter = ScriptedDrafter(_reference(n + 8), 4, 1, [2, 0, 4, 1, 3])
+    out = SpeculativeDecoder(target, drafter=drafter).generate(torch.tensor([PROMPT]), max_new_tokens=n,
+                                                               sampling=GREEDY)
+    assert out.sequences[0].tolist() == _reference(n)[: len(PROMPT) + n]
+
+
+def test_apply_prepack_takes_true_false_or_auto_and_names_the_choices_otherwise():
+    from eagle_tree.models.prepack import apply_prepack
+
+    model = copy.deepcopy(_models()[0])
+    assert apply_prepack(model, False) is None and not any(isinstance(m, PackedLinear) for m in model.modules())
+    with pytest.raises(ValueError, match="true, false or \"auto\""):
+        apply_prepack(model, "yes")
+    choice = apply_prepack(model, True, one_row=False)
+    assert (choice.one_row, choice.many_rows, choice.reason) == (False, True, "asked")
+    assert all(not m.one_row for m in model.modules() if isinstance(m, PackedLinear))
+
+
+@pytest.fixture(scope="module")
+def tiny_assets(tmp_path_factory):
+    from eagle_tree.data.tiny import build_tiny_assets
+
+    return build_tiny_assets(tmp_path_factory.mktemp("prepack") / "assets")
+
+
+@pytest.mark.parametrize(("costs", "kernels"), [((2.0, 1.0, 3.0, 4.0), "several-rows"),
+                                                 ((2.0, 1.0, 4.0, 3.0), False)], ids=["several-rows", "none"])
+def test_load_decoder_auto_gives_the_head_the_targets_kernels(tiny_assets, monkeypatch, costs, kernels):
+    from eagle_tree.decoding.loading import load_decoder
+    from eagle_tree.models import prepack
+    from eagle_tree.utils.config import load_config
+
+    monkeypatch.setattr(prepack, "interleaved_medians", lambda fns, repeats=5: _costs(*costs)[0](fns))
+    decoder, _ = load_decoder(str(tiny_assets["target"]), str(tiny_assets["head"]), "chain", "float32",
+                              TreeConfig.chain(3), prepack="auto")
+    assert decoder.target.prepack_choice.kernels() == kernels
+    assert prepack.packed_kernels(decoder.target.model) == kernels
+    assert prepack.packed_kernels(decoder.draft) == kernels  # the head follows the target's choice
+    # the configs take auto (and refuse other words, naming the choices)
+    from eagle_tree.commands.decode import DecodeConfig
+    from eagle_tree.utils.config import ConfigError
+
+    assert load_config(DecodeConfig, overrides=["target_prepack=auto"]).target_prepack == "auto"
+    assert load_config(DecodeConfig, overrides=["target_prepack=true"]).target_prepack is True
+    with pytest.raises(ConfigError, match="auto"):
+        load_config(DecodeConfig, overrides=["target_prepack=sometimes"])

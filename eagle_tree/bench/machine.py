@@ -53,6 +53,7 @@ def conditions(models: BenchModels, dtype: str) -> dict:
         "assistant": None if models.assistant is None else {
             "parameters": n_params(models.assistant), "layers": models.assistant.config.num_hidden_layers},
         "memory_method": PeakMemory(device).method,
+        "target_kernels": None if getattr(target, "prepack_choice", None) is None else target.prepack_choice.as_dict(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     if device.type == "cuda":

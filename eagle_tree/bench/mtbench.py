@@ -285,12 +285,13 @@ def markdown_groups(grouped: dict[str, list[dict]]) -> str:
 
 
 def sample_run(target_folder: str, head: str, questions_per_category: int = 1, categories: list[str] | None = None,
-               max_new_tokens: int = 128, questions: str | None = None, log=print, prepack: bool = True,
+               max_new_tokens: int = 128, questions: str | None = None, log=print, prepack: bool | str = True,
                head_int8: bool = True) -> dict:
     """A few MT-bench turn-1 questions decoded by plain decoding, Hugging Face ``generate`` and the head's
     own default decoder (its ``decoding.json``), interleaved per question; the quickstart's chat stage.
     The models load as in ``configs/bench-mtbench.yaml`` (``prepack``: the target's linear layers packed for
-    every row count, plain steps included; ``head_int8``: the head drafts with an int8 copy of its lm_head).
+    every row count, plain steps included, or "auto": where timing at load finds packing faster; ``head_int8``:
+    the head drafts with an int8 copy of its lm_head).
     Returns the method rows and one answer per method for the first question."""
     from eagle_tree.bench.runner import (
         HEAD_DEFAULTS,
@@ -306,6 +307,8 @@ def sample_run(target_folder: str, head: str, questions_per_category: int = 1, c
     models = load_bench_models(target_folder, head, ["plain", "hf_generate", "head_defaults"], "float32",
                                prepack=prepack, head_int8=head_int8)
     target, tokenizer = models.target, models.tokenizer
+    if target.prepack_choice is not None:
+        log(f"target kernels: {target.prepack_choice.describe()}")
     file = questions
     questions = load_questions(file, questions_per_category)
     if categories:
@@ -331,4 +334,5 @@ def sample_run(target_folder: str, head: str, questions_per_category: int = 1, c
     first = result.outputs[HEAD_DEFAULTS.name][0][0]
     answer = tokenizer.decode(first.sequences[0, ids[0].shape[1]:], skip_special_tokens=True)
     return {"questions": [p.where for p in prompts], "rows": rows, "question": questions[0].turns[0],
-            "answer": answer, "category": questions[0].category}
+            "answer": answer, "category": questions[0].category,
+            "target_kernels": None if target.prepack_choice is None else target.prepack_choice.as_dict()}

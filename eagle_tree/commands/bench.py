@@ -137,6 +137,15 @@ def load_bench_models(cfg: BenchConfig):
                 prepack=cfg.target_prepack, head_int8=cfg.head_int8)
 
 
+def _kernels(models) -> str | bool:
+    """The target's linear kernels as chosen at load (target_prepack true, or auto's timing), "+head" when the
+    head's layers follow them: part of a journal's identity, so blocks on other kernels are not read back."""
+    choice = models.target.prepack_choice
+    if choice is None or not choice.packs:
+        return False
+    return f"{choice.kernels()}+head"
+
+
 def baseline_methods(cfg: BenchConfig):
     from eagle_tree.bench.runner import HEAD_DEFAULTS, HF_GENERATE, PLAIN, Method, context_only_method
 
@@ -236,6 +245,8 @@ def run(cfg: BenchConfig) -> int:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     models = load_bench_models(cfg)
+    if models.target.prepack_choice is not None:
+        print(f"target kernels: {models.target.prepack_choice.describe()}")
     test_ids, tuning_ids = (encode_for_target(prompts, models.target, models.tokenizer, cfg.max_new_tokens,
                                               cfg.truncate_prompts)
                             for prompts in (test_prompts, tuning_prompts))
@@ -359,7 +370,7 @@ def _resume(cfg: BenchConfig, models, out_dir: Path):
                 "assistant": weights_fingerprint(models.assistant), "assistant_tokens": cfg.assistant_tokens,
                 "threads": torch.get_num_threads(), "device": cfg.device, "dtype": cfg.dtype,
                 # packed weights serve one-row steps and the head's layers since 2026-12-03: older journals are unread
-                "target_prepack": "every-row-count+head" if cfg.target_prepack else False, "head_int8": cfg.head_int8}
+                "target_prepack": _kernels(models), "head_int8": cfg.head_int8}
     deadline = None if cfg.max_minutes is None else time.monotonic() + 60 * cfg.max_minutes
     sitting = journal.sittings()
     if sitting:

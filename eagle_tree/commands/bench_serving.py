@@ -57,9 +57,10 @@ class ServingBenchConfig:
     """torch.set_num_threads (null: torch's default)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Precision of the target and the head."""
-    target_prepack: bool = False
+    target_prepack: bool | Literal["auto"] = False
     """CPU, float32: give the target's linear layers a oneDNN-packed weight for every forward
-    (verification, batched steps, prefill), at twice the weights' memory (eagle_tree.models.prepack)."""
+    (verification, batched steps, prefill), at twice the weights' memory; "auto": time both kernels at load
+    and keep the faster (eagle_tree.models.prepack)."""
     head_int8: bool = False
     """CPU: the head drafts with a per-row int8 copy of its lm_head (eagle_tree.models.quantize)."""
     sampling: CommandSampling = field(default_factory=CommandSampling)

@@ -43,9 +43,10 @@ class GenerationOptions:
     """Stop a continuation at the tokenizer's EOS token (length differences from plain decoding are reported)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Precision of every model (target, head, assistant)."""
-    target_prepack: bool = False
+    target_prepack: bool | Literal["auto"] = False
     """CPU, float32: give the target's linear layers a oneDNN-packed weight for every forward
-    (verification, prefill), at twice the weights' memory (eagle_tree.models.prepack)."""
+    (verification, prefill), at twice the weights' memory; "auto": time both kernels at load and keep
+    the faster for one-row and for several-row inputs (eagle_tree.models.prepack)."""
     head_int8: bool = False
     """CPU: the head drafts with a per-row int8 copy of its lm_head, about a tenth of the float32 matrix's
     time; the draft changes a little, the output's distribution not at all (eagle_tree.models.quantize)."""

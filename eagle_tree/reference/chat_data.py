@@ -49,6 +49,7 @@ from typing import Literal
 
 import torch
 
+from eagle_tree.models.prepack import packed_kernels
 from eagle_tree.utils.atomic import write_text
 from eagle_tree.utils.checks import check_range
 
@@ -104,11 +105,12 @@ class ChatDataConfig:
     """Precision of the target."""
     threads: int | None = None
     """torch CPU threads (None: torch's default)."""
-    target_prepack: bool = False
+    target_prepack: bool | Literal["auto"] = False
     """Pack the target's linear layers for oneDNN (eagle_tree.models.prepack): on CPU hosts where the batched
     steps' small matrix products are slow, generation runs faster (docs/MEASURING.md, "The rest of the pipeline
-    on the same host"); a kernel choice like ``threads``, so not part of the data's fingerprint (a run may resume
-    with the other kernels); each batch's stats record it."""
+    on the same host"); "auto" times both kernels at load and keeps the faster. A kernel choice like
+    ``threads``, so not part of the data's fingerprint (a run may resume with the other kernels); each batch's
+    stats record the kernels it ran on."""
     progress: bool = True
     """Show a progress bar."""
     overwrite: bool = False
@@ -296,7 +298,7 @@ def build_batch(model, tokenizer, cfg: ChatDataConfig, b: int, seen: set[str],
              "split": split_of(c[0]["content"], cfg.tuning_fraction, cfg.test_fraction),
              **({"openers": started[id(c)]} if openers else {})} for c in convs]
     stats = {"batch": b, "rows": len(rows), "dropped": dropped, "tokens": tokens, "replies_ended": ended_replies,
-             "seconds": round(time.perf_counter() - t0, 2), "target_prepack": cfg.target_prepack}
+             "seconds": round(time.perf_counter() - t0, 2), "target_prepack": packed_kernels(model)}
     if openers:
         stats["categories"] = {}
         for r in rows:
@@ -361,13 +363,15 @@ def load_target(cfg: ChatDataConfig):
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(f"target={cfg.target}: its tokenizer has no chat_template; chat data needs a chat model")
     model = load_causal_lm(cfg.target, dtype=getattr(torch, cfg.dtype))
-    if cfg.target_prepack:
-        from eagle_tree.models.prepack import prepack_linears
+    if cfg.target_prepack is not False:
+        from eagle_tree.models.prepack import apply_prepack
 
         try:
-            prepack_linears(model)
+            choice = apply_prepack(model, cfg.target_prepack)
         except RuntimeError as exc:
-            raise ValueError(f"target_prepack=true: {exc}; set target_prepack=false") from exc
+            raise ValueError(f"target_prepack=true: {exc}; set target_prepack=false or auto") from exc
+        if cfg.progress:
+            print(f"target kernels: {choice.describe()}")
     return model, tokenizer
 
 

@@ -30,11 +30,11 @@ class TargetSection:
     [1, L-1]; deeper choices such as [2, L//2, L-1] let the head see the last layers"""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     """attention implementation of the target"""
-    prepack: bool = False
+    prepack: bool | Literal["auto"] = False
     """oneDNN-packed copies of the target's float32 CPU linear layers for its forwards (feature extraction,
     evaluation decoding; eagle_tree.models.prepack): a 500-token forward 1.9x faster on a host whose BLAS is slow
-    for these shapes (docs/MEASURING.md, "The rest of the pipeline on the same host"); a kernel choice, not part
-    of the feature cache's fingerprint"""
+    for these shapes (docs/MEASURING.md, "The rest of the pipeline on the same host"); "auto": timed both ways
+    at load, the faster kept; a kernel choice, not part of the feature cache's fingerprint"""
     toy: ToyConfig = field(default_factory=ToyConfig)
     """the toy target (path=toy)"""
     toy_cache_dir: str | None = None
