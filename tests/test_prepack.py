@@ -235,7 +235,6 @@ def tiny_assets(tmp_path_factory):
 def test_load_decoder_auto_gives_the_head_the_targets_kernels(tiny_assets, monkeypatch, costs, kernels):
     from eagle_tree.decoding.loading import load_decoder
     from eagle_tree.models import prepack
-    from eagle_tree.utils.config import load_config
 
     monkeypatch.setattr(prepack, "interleaved_medians", lambda fns, repeats=5: _costs(*costs)[0](fns))
     decoder, _ = load_decoder(str(tiny_assets["target"]), str(tiny_assets["head"]), "chain", "float32",
@@ -243,9 +242,11 @@ def test_load_decoder_auto_gives_the_head_the_targets_kernels(tiny_assets, monke
     assert decoder.target.prepack_choice.kernels() == kernels
     assert prepack.packed_kernels(decoder.target.model) == kernels
     assert prepack.packed_kernels(decoder.draft) == kernels  # the head follows the target's choice
-    # the configs take auto (and refuse other words, naming the choices)
+
+
+def test_the_configs_take_auto_and_refuse_other_words_naming_the_choices():
     from eagle_tree.commands.decode import DecodeConfig
-    from eagle_tree.utils.config import ConfigError
+    from eagle_tree.utils.config import ConfigError, load_config
 
     assert load_config(DecodeConfig, overrides=["target_prepack=auto"]).target_prepack == "auto"
     assert load_config(DecodeConfig, overrides=["target_prepack=true"]).target_prepack is True

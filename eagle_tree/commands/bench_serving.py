@@ -30,6 +30,7 @@ from typing import Literal
 
 from eagle_tree.bench.tuning import SERVING_CANDIDATES
 from eagle_tree.commands.decode import CommandSampling
+from eagle_tree.models.prepack import PrepackSetting
 from eagle_tree.utils.checks import check_range
 from eagle_tree.utils.config import ConfigValueError, config_to_dict, parse_cli, save_config
 
@@ -57,7 +58,7 @@ class ServingBenchConfig:
     """torch.set_num_threads (null: torch's default)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Precision of the target and the head."""
-    target_prepack: bool | Literal["auto"] = False
+    target_prepack: PrepackSetting = False
     """CPU, float32: give the target's linear layers a oneDNN-packed weight for every forward
     (verification, batched steps, prefill), at twice the weights' memory; "auto": time both kernels at load
     and keep the faster (eagle_tree.models.prepack)."""

@@ -14,6 +14,7 @@ from typing import Literal
 
 from eagle_tree.core.sampling import SamplingConfig
 from eagle_tree.decoding.drafting import TreeConfig
+from eagle_tree.models.prepack import PrepackSetting
 from eagle_tree.utils.checks import check_range
 from eagle_tree.utils.config import ConfigValueError, config_to_dict, parse_cli, save_config
 from eagle_tree.utils.tracking import WandbConfig
@@ -43,7 +44,7 @@ class GenerationOptions:
     """Stop a continuation at the tokenizer's EOS token (length differences from plain decoding are reported)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Precision of every model (target, head, assistant)."""
-    target_prepack: bool | Literal["auto"] = False
+    target_prepack: PrepackSetting = False
     """CPU, float32: give the target's linear layers a oneDNN-packed weight for every forward
     (verification, prefill), at twice the weights' memory; "auto": time both kernels at load and keep
     the faster for one-row and for several-row inputs (eagle_tree.models.prepack)."""

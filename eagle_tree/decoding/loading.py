@@ -6,12 +6,16 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from eagle_tree.decoding.decoder import SpeculativeDecoder
 from eagle_tree.decoding.drafting import TreeConfig
 from eagle_tree.utils.checks import InputError, check_finite_weights, check_target_path, reading
+
+if TYPE_CHECKING:
+    from eagle_tree.models.prepack import PrepackSetting
 
 
 def check_head_path(head: str) -> None:
@@ -21,7 +25,7 @@ def check_head_path(head: str) -> None:
 
 
 def load_decoder(target: str, head: str | None, mode: str, dtype: str, tree: TreeConfig,
-                 shapes: str | None = None, prepack: bool | str = False, head_int8: bool = False):
+                 shapes: str | None = None, prepack: PrepackSetting = False, head_int8: bool = False):
     """(SpeculativeDecoder, tokenizer). ``mode``: "plain" (no head), "tree" / "chain" (``tree``), "auto"
     (the shape a bench tuning file ``shapes`` selected; plain decoding where it selected ``none``) or
     "default" (the head folder's decoding.json, whose entries may be plain decoding too).

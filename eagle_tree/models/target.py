@@ -39,6 +39,7 @@ import inspect
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -46,6 +47,10 @@ from eagle_tree.core.tree import Tree
 from eagle_tree.models.cache import MIN_CAPACITY, TargetCache
 from eagle_tree.models.grouped_attention import GROUPED_SDPA
 from eagle_tree.models.head_config import check_feature_layers, default_feature_layers
+
+if TYPE_CHECKING:
+    from eagle_tree.models.prepack import PrepackSetting
+
 
 SUPPORTED_ATTENTION = ("eager", "sdpa", GROUPED_SDPA)
 REQUIRED_FORWARD_INPUTS = ("attention_mask", "position_ids", "cache")
@@ -127,7 +132,7 @@ class TargetModel:
         name_or_path: str,
         dtype: torch.dtype = torch.float32,
         feature_layers: Sequence[int] | None = None,
-        prepack: bool | str = False,
+        prepack: PrepackSetting = False,
         prepack_one_row: bool = True,
         **kwargs,
     ) -> TargetModel:

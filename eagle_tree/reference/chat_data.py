@@ -49,7 +49,7 @@ from typing import Literal
 
 import torch
 
-from eagle_tree.models.prepack import packed_kernels
+from eagle_tree.models.prepack import PrepackSetting, packed_kernels
 from eagle_tree.utils.atomic import write_text
 from eagle_tree.utils.checks import check_range
 
@@ -105,7 +105,7 @@ class ChatDataConfig:
     """Precision of the target."""
     threads: int | None = None
     """torch CPU threads (None: torch's default)."""
-    target_prepack: bool | Literal["auto"] = False
+    target_prepack: PrepackSetting = False
     """Pack the target's linear layers for oneDNN (eagle_tree.models.prepack): on CPU hosts where the batched
     steps' small matrix products are slow, generation runs faster (docs/MEASURING.md, "The rest of the pipeline
     on the same host"); "auto" times both kernels at load and keeps the faster. A kernel choice like

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from eagle_tree.data.toy import ToyConfig
+from eagle_tree.models.prepack import PrepackSetting
 from eagle_tree.training.data import DataConfig
 from eagle_tree.utils.checks import check_ranges
 from eagle_tree.utils.config import ConfigValueError
@@ -30,7 +31,7 @@ class TargetSection:
     [1, L-1]; deeper choices such as [2, L//2, L-1] let the head see the last layers"""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     """attention implementation of the target"""
-    prepack: bool | Literal["auto"] = False
+    prepack: PrepackSetting = False
     """oneDNN-packed copies of the target's float32 CPU linear layers for its forwards (feature extraction,
     evaluation decoding; eagle_tree.models.prepack): a 500-token forward 1.9x faster on a host whose BLAS is slow
     for these shapes (docs/MEASURING.md, "The rest of the pipeline on the same host"); "auto": timed both ways
