@@ -237,6 +237,10 @@ def test_method_rows_speedup_and_mismatch():
     assert rows["other"]["output_mismatches"] == [{"repeat": 0, "prompt": 1}, {"repeat": 1, "prompt": 1}]
     assert rows["other"]["speedup_vs_plain"] == pytest.approx(3.0)  # median of 2x and 4x
     assert rows["other"]["time_per_output_token_s"] == pytest.approx(1.5 / 6)
+    # after the first token (prefill 0.1 s each): other (0.9 + 0.4) / 4 in both repeats; plain's median of
+    # (1.9 + 0.9) / 4 and (3.9 + 1.9) / 4
+    assert rows["other"]["decode_time_per_token_s"] == pytest.approx(1.3 / 4)
+    assert rows["plain"]["decode_time_per_token_s"] == pytest.approx((2.8 / 4 + 5.8 / 4) / 2)
     assert rows["other"]["speedup_vs_hf_generate"] is None and rows["other"]["peak_memory_mb"] == 1.0
     sampled = {r["method"]: r for r in method_rows(result, SamplingConfig(temperature=0.7))}
     assert sampled["other"]["outputs_match_plain"] is None
@@ -290,3 +294,17 @@ def test_reported_shapes_all_selected_and_head_only():
     assert [t.name for t in reported_shapes("head_only", selection(plain), trees[:2])] == ["chain-4", "tree-d3k2n6"]
     with pytest.raises(ValueError, match="head_only"):
         reported_shapes("best", chosen, trees)
+
+
+def test_decode_time_per_token_leaves_out_the_prefill_and_first_tokens():
+    from eagle_tree.decoding.metrics import decode_time_per_token, summarize
+
+    short, long = _out([1, 2, 3, 4], 1.0), _out([1, 2, 3, 4], 1.0)
+    long.prefill_s, long.total_s = 0.5, 1.4  # a longer prompt: 0.4 s more prefill, the same decoding after it
+    assert decode_time_per_token([short]) == pytest.approx(0.9 / 3)
+    assert decode_time_per_token([long]) == pytest.approx(0.9 / 3)
+    assert summarize("m", 0.0, [long]).time_per_output_token_s == pytest.approx(1.4 / 4)  # moves with the prefill
+    assert summarize("m", 0.0, [short, long]).decode_time_per_token_s == pytest.approx(1.8 / 6)
+    single = _out([7], 0.3)  # one token: all prefill, nothing after it, so it adds neither time nor tokens
+    assert decode_time_per_token([short, single]) == pytest.approx(0.9 / 3)
+    assert math.isnan(decode_time_per_token([single]))

@@ -13,7 +13,7 @@ from eagle_tree.bench.runner import HF_GENERATE, PLAIN, Method, PhaseResult
 from eagle_tree.core.sampling import SamplingConfig
 from eagle_tree.decoding.decoder import GenerateOutput
 from eagle_tree.decoding.drafting import TreeConfig
-from eagle_tree.decoding.metrics import per_position_acceptance, summarize
+from eagle_tree.decoding.metrics import decode_time_per_token, per_position_acceptance, summarize
 
 
 def survival_depth(method: Method, outputs: Sequence[GenerateOutput]) -> int:
@@ -34,7 +34,8 @@ def _tpot(outputs: Sequence[GenerateOutput]) -> float:
 def method_rows(result: PhaseResult, sampling: SamplingConfig, plain: str = PLAIN.name,
                 hf_plain: str = HF_GENERATE.name) -> list[dict]:
     """One dict per method: the DecodeSummary fields (pooled over repeats and prompts) with
-    ``time_per_output_token_s`` the median over repeats of each repeat's cumulative time / tokens,
+    ``time_per_output_token_s`` the median over repeats of each repeat's cumulative time / tokens (and
+    ``decode_time_per_token_s`` likewise, after each call's first token),
     plus the speed-ups (medians over repeats of the per-repeat ratio), per-position acceptance,
     peak memory, and, under greedy decoding, whether every output equals plain decoding's."""
     rows = []
@@ -46,6 +47,7 @@ def method_rows(result: PhaseResult, sampling: SamplingConfig, plain: str = PLAI
         per_repeat = [_tpot(rep) for rep in runs]
         row["time_per_output_token_s"] = statistics.median(per_repeat)
         row["time_per_output_token_s_repeats"] = per_repeat
+        row["decode_time_per_token_s"] = statistics.median(decode_time_per_token(rep) for rep in runs)
         for key, base in (("speedup_vs_plain", plain), ("speedup_vs_hf_generate", hf_plain)):
             base_runs = result.outputs.get(base)
             row[key] = (statistics.median(_tpot(b) / _tpot(m) for b, m in zip(base_runs, runs, strict=True))

@@ -269,6 +269,7 @@ def markdown_groups(grouped: dict[str, list[dict]]) -> str:
                ("speed-up vs HF generate", "speedup_vs_hf_generate", ".2f", "x"),
                ("acceptance length (tokens per round)", "acceptance_length", ".2f", ""),
                ("ms per output token", "time_per_output_token_s", ".1f", "ms"),
+               ("ms per output token after the first (prefill excluded)", "decode_time_per_token_s", ".1f", "ms"),
                ("mean output tokens", "mean_new_tokens", ".0f", ""),
                ("outputs equal plain (greedy)", "outputs_match_plain", "", "")]
     for title, key, fmt, unit in metrics:

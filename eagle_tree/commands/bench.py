@@ -394,6 +394,8 @@ NOTES = {
                          "the prefill; HF methods: measured with a streamer, one put per target forward",
     "time_per_output_token_s": "median over repeats of (cumulative wall time / committed tokens) per repeat, "
                                "prefill included",
+    "decode_time_per_token_s": "median over repeats of (wall time after each call's first token / the tokens "
+                               "committed after it): decoding alone, the prefill excluded",
     "speedup_vs_plain": "median over repeats of plain's time per output token / the method's, same repeat",
     "time_split": "eagle-tree: draft (with draft-cache catch-up), verify, other (sampling, cache); HF: target forward"
                   " time as verify, assistant forward time as draft, the rest of the time between puts as other",

@@ -191,7 +191,8 @@ def format_summary(s) -> str:
     lines = [
         f"method {s.method}, temperature {s.temperature}: {s.prompts} prompts, {s.tokens} tokens, {s.rounds} rounds",
         f"  acceptance length (tokens per round): {s.acceptance_length:.3f}",
-        f"  time per output token: {1000 * s.time_per_output_token_s:.2f} ms",
+        f"  time per output token: {1000 * s.time_per_output_token_s:.2f} ms "
+        f"(after the first: {1000 * s.decode_time_per_token_s:.2f} ms)",
         f"  per round: draft {1000 * s.draft_s_per_round:.2f} ms, verify {1000 * s.verify_s_per_round:.2f} ms, "
         f"other {1000 * s.other_s_per_round:.2f} ms",
     ]

@@ -55,6 +55,7 @@ class DecodeSummary:
     temperature: float
     acceptance_length: float  # committed tokens per round (1.0 for plain decoding)
     time_per_output_token_s: float
+    decode_time_per_token_s: float  # after the first token: (total - prefill) / (tokens - 1) per call, pooled
     tokens: int
     rounds: int
     prompts: int
@@ -72,6 +73,17 @@ class DecodeSummary:
         return asdict(self)
 
 
+def decode_time_per_token(outputs: Sequence) -> float:
+    """Seconds per output token after each call's first: the wall time after the prefill (which ends with the
+    first token) over the tokens committed after it, pooled over calls (the TPOT of serving benchmarks).
+    Unlike ``time_per_output_token_s`` it does not move with the prompt's length through the prefill, so two
+    turns of one conversation compare on decoding alone. NaN when no call committed a second token."""
+    later = sum(max(o.new_tokens - 1, 0) for o in outputs)
+    if later == 0:
+        return float("nan")
+    return sum(o.total_s - o.prefill_s for o in outputs if o.new_tokens > 1) / later
+
+
 def summarize(method: str, temperature: float, outputs: Sequence, depth: int = 0) -> DecodeSummary:
     """Aggregate GenerateOutput objects of one method (same prompts, budget and sampling)."""
     rounds = [r for o in outputs for r in o.rounds]
@@ -85,6 +97,7 @@ def summarize(method: str, temperature: float, outputs: Sequence, depth: int = 0
         temperature=temperature,
         acceptance_length=committed_in_rounds / n_rounds if rounds else 0.0,
         time_per_output_token_s=total / max(tokens, 1),
+        decode_time_per_token_s=decode_time_per_token(outputs),
         tokens=tokens,
         rounds=len(rounds),
         prompts=len(outputs),
