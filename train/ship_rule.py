@@ -4,7 +4,7 @@
         docs/training/smollm2-head-report/head15-tuning84.json
 
 Both arguments are reports from ``decode/head_report.py`` on the same prompts and settings: the
-candidate's first, the bar's second. The rule (docs/TRAINING.md, "A sixteenth run, planned"): the
+candidate's first, the bar's second. The rule (the sixteenth run's entry in docs/TRAINING.md): the
 candidate ships when no judged figure falls below the bar by more than its tolerance (tree and
 chain acceptance: ``--acceptance-tol`` tokens a round; agreement at each judged draft step:
 ``--agreement-tol``), and at least one of the ``--gain`` figures rises above the bar by more than
