@@ -7,7 +7,12 @@
 Runs the training evaluation (eagle_tree.training.evaluate) outside training: tokens committed per round
 with a chain of ``chain_length`` and a tree, on the first ``num_prompts`` prompts; the copying set
 (``data/copying.py``) with a chain of ``copy_chain_length``; and the head's top-1 agreement with the
-target per draft step on the target's greedy continuations of the prompts. Prints one JSON object.
+target per draft step on the target's greedy continuations of the prompts; on the same text, the sampled
+acceptance per draft step (``sampled_acceptance_per_step``: the mean of sum_v min(p, q) at temperature 1,
+the probability that one token sampled from the head is accepted by speculative sampling there) and the
+chain of ``agreement_steps`` it implies (``simulated_sampled_chain``: 1 + a0 + a0 a1 + ...). These are
+measured on greedy text, not on text sampled at temperature 1: a head-only guide to the T=1 figures,
+which the bench measures. Prints one JSON object.
 
 With ``mtbench=true`` the prompts are MT-bench's first turns (file order), rendered with the target's chat
 template as the bench renders them: a head-only measure of acceptance on MT-bench with no timing in it.
@@ -29,6 +34,7 @@ from eagle_tree.models.head import Eagle3DraftModel
 from eagle_tree.models.target import TargetModel
 from eagle_tree.training.config import EvalSection
 from eagle_tree.training.evaluate import evaluate_acceptance
+from eagle_tree.training.ttt import simulated_acceptance_length
 from eagle_tree.utils.config import parse_cli
 from eagle_tree.utils.prompts import read_prompt_file
 
@@ -95,9 +101,10 @@ def pooled(parts: list[dict]) -> dict:
         rounds = sum(r[f"rounds_{mode}"] for r in parts)
         out[f"acceptance_length_{mode}"] = sum(r[f"acceptance_length_{mode}"] * r[f"rounds_{mode}"]
                                                for r in parts) / max(rounds, 1)
-    counts = [sum(c) for c in zip(*(r.get("agreement_counts", []) for r in parts), strict=True)]
-    out["agreement"] = [sum(r["agreement"][s] * r["agreement_counts"][s] for r in parts) / max(n, 1)
-                        for s, n in enumerate(counts)]
+    for key in ("agreement", "overlap"):
+        counts = [sum(c) for c in zip(*(r.get(f"{key}_counts", []) for r in parts), strict=True)]
+        out[key] = [sum(r[key][s] * r[f"{key}_counts"][s] for r in parts) / max(n, 1)
+                    for s, n in enumerate(counts)]
     return out
 
 
@@ -132,12 +139,15 @@ def main(argv: list[str] | None = None) -> int:
               "acceptance_length_tree": result["acceptance_length_tree"],
               "copy_chain": f"chain-{cfg.copy_chain_length}",
               "acceptance_length_copy_chain": copy.get("acceptance_length_copy_chain"),
-              "agreement_per_step": [round(a, 4) for a in result["agreement"]]}
+              "agreement_per_step": [round(a, 4) for a in result["agreement"]],
+              "sampled_acceptance_per_step": [round(a, 4) for a in result["overlap"]],
+              "simulated_sampled_chain": simulated_acceptance_length(result["overlap"])}
     if categories:
         report["by_category"] = {
             group: {"num_prompts": len(groups[group]), "acceptance_length_chain": r["acceptance_length_chain"],
                     "acceptance_length_tree": r["acceptance_length_tree"],
-                    "agreement_per_step": [round(a, 4) for a in r.get("agreement", [])]}
+                    "agreement_per_step": [round(a, 4) for a in r.get("agreement", [])],
+                    "sampled_acceptance_per_step": [round(a, 4) for a in r.get("overlap", [])]}
             for group, r in parts.items()}
     print(json.dumps(report, indent=1))
     return 0

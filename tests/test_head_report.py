@@ -88,6 +88,9 @@ def test_categories_pool_to_one_run_over_all_prompts():
     for mode in ("chain", "tree"):
         assert got[f"acceptance_length_{mode}"] == pytest.approx(whole[f"acceptance_length_{mode}"], abs=1e-12)
     assert got["agreement"] == pytest.approx(whole["agreement"], abs=1e-12)
+    assert got["overlap"] == pytest.approx(whole["overlap"], abs=1e-12)
+    assert whole["overlap_counts"] == [sum(c) for c in zip(*(p["overlap_counts"] for p in parts), strict=True)]
+    assert len(whole["overlap"]) == 2 and all(0.0 < a < 1.0 for a in whole["overlap"])
     assert whole["agreement_counts"] == [sum(c) for c in zip(*(p["agreement_counts"] for p in parts), strict=True)]
     # negative control: the unweighted mean of the parts is another figure
     assert parts[0]["rounds_chain"] != parts[1]["rounds_chain"]

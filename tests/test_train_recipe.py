@@ -75,6 +75,9 @@ def test_copy_check_and_agreement_are_logged_beside_the_prompts(budget_run):
     for s in range(5):  # ttt.steps of configs/smoke.yaml
         series = run.series(f"eval/acc_{s}")
         assert [st for st, _ in series] == steps and all(0.0 <= v <= 1.0 for _, v in series)
+        sampled = run.series(f"eval/sampled_acc_{s}")
+        assert [st for st, _ in sampled] == steps and all(0.0 < v < 1.0 for _, v in sampled)
+    assert summary["evals"][-1]["overlap"] == pytest.approx([run.summary[f"eval/sampled_acc_{s}"] for s in range(5)])
     minutes = run.series("eval/train_minutes")
     assert minutes[0][1] == 0.0 and minutes[-1][1] == pytest.approx(summary["train_s"] / 60)
 

@@ -75,3 +75,33 @@ def test_simulated_acceptance_length():
     assert simulated_acceptance_length([]) == 1.0
     assert simulated_acceptance_length([0.6, 0.6, 0.6]) == pytest.approx(2.176)
     assert simulated_acceptance_length([1.0] * 5) == 6.0
+
+
+def test_overlap_is_the_sampled_acceptance_of_each_step(setup):
+    """``overlap=True``: per step, the mean over loss positions of sum_v min(p(v), q(v)), p the target's
+    whole-vocabulary distribution on the draft columns (not renormalised) and q the head's. Recomputed
+    here from the step logits; the loss and the agreement do not change with it. Negative control: p
+    renormalised over the draft vocabulary gives another figure (the draft vocabulary here is half of it)."""
+    _, draft, x, feats, logits = setup
+    mask = torch.ones_like(x)
+    mask[:, :6] = 0
+    plain = ttt_forward(draft, feats, x, mask, logits, steps=3)
+    res = ttt_forward(draft, feats, x, mask, logits, steps=3, overlap=True)
+    assert res.step_accuracy == plain.step_accuracy and res.loss.item() == plain.loss.item()
+    assert plain.step_overlap == [] and len(res.step_overlap) == 3
+    b, t = x.shape
+    p_full = torch.softmax(logits.float(), -1)[..., draft.draft_to_target]
+    p_norm = torch.softmax(logits.float()[..., draft.draft_to_target], -1)
+    for s in range(3):
+        q = torch.softmax(res.logits[s].float(), -1)
+        got, renorm, n = 0.0, 0.0, 0
+        for row in range(b):
+            for j in range(t):
+                if j + 2 + s < t and mask[row, j + 2 + s]:
+                    got += float(torch.minimum(p_full[row, j + 1 + s], q[row, j]).sum())
+                    renorm += float(torch.minimum(p_norm[row, j + 1 + s], q[row, j]).sum())
+                    n += 1
+        assert res.overlap_counts[s] == n > 0
+        assert res.step_overlap[s] == pytest.approx(got / n, rel=1e-5)
+        assert 0.0 < res.step_overlap[s] < 1.0
+        assert renorm / n > got / n + 1e-3  # the control: renormalising inflates it

@@ -13,7 +13,7 @@ from eagle_tree.training.config import EvalSection
 from eagle_tree.training.feature_cache import example_targets
 from eagle_tree.training.ttt import ttt_forward
 
-__all__ = ["evaluate_acceptance", "heldout_agreement"]
+__all__ = ["evaluate_acceptance", "heldout_agreement", "heldout_figures"]
 
 
 def _eval_head(target, draft):
@@ -29,7 +29,8 @@ def evaluate_acceptance(target, draft, prompt_ids: list[torch.Tensor], ev: EvalS
     the chain of ``ev.copy_chain_length`` on the copying prompts (``acceptance_length_copy_chain``); with
     ``agreement_steps``, the head's top-1 agreement per draft step on the greedy continuations the chain
     decoded (the target's own text: ``agreement``, and the tokens counted per step, ``agreement_counts``;
-    see :func:`heldout_agreement`)."""
+    see :func:`heldout_agreement`), and on the same text the sampled acceptance per draft step
+    (``overlap``, ``overlap_counts``; see :func:`heldout_figures`)."""
     from eagle_tree.core.sampling import SamplingConfig
     from eagle_tree.decoding.decoder import SpeculativeDecoder
     from eagle_tree.decoding.drafting import TreeConfig
@@ -51,14 +52,45 @@ def evaluate_acceptance(target, draft, prompt_ids: list[torch.Tensor], ev: EvalS
                     for ids in ids_list]
             summary = summarize(mode, 0.0, outs, depth=shape.depth)
             if mode == "chain" and agreement_steps:
-                result["agreement"], result["agreement_counts"] = heldout_agreement(
-                    target, head, [(o.sequences[0], o.prompt_length) for o in outs], agreement_steps,
-                    with_counts=True)
+                result.update(heldout_figures(target, head, [(o.sequences[0], o.prompt_length) for o in outs],
+                                              agreement_steps))
             result[f"acceptance_length_{mode}"] = summary.acceptance_length
             result[f"survival_{mode}"] = summary.survival
             result[f"rounds_{mode}"] = summary.rounds
     finally:
         draft.train(was_training)
+    return result
+
+
+@torch.no_grad()
+def heldout_figures(target, draft, sequences: list[tuple[torch.Tensor, int]], steps: int) -> dict:
+    """Per training-time-test step on ``sequences`` ((token ids (T,), start) pairs; positions >= start
+    counted, token-weighted over every sequence): the head's top-1 agreement with the target
+    (``agreement``, ``agreement_counts``: as ``train/acc_s``) and its sampled acceptance (``overlap``,
+    ``overlap_counts``: the mean of sum_v min(p, q) at temperature 1, the probability that one token
+    sampled from the head is accepted there; see ``ttt_forward``). Counts are returned so that the
+    figures of several sets pool exactly."""
+    was_training = draft.training
+    draft.eval()
+    sums = {"agreement": [0.0] * steps, "overlap": [0.0] * steps}
+    counts = {"agreement": [0] * steps, "overlap": [0] * steps}
+    try:
+        for ids, start in sequences:
+            features, logits = example_targets(target, ids)
+            mask = (torch.arange(ids.shape[0], device=features.device) >= start).float()[None]
+            out = ttt_forward(draft, features[None].to(draft.fc.weight.dtype), ids[None].to(features.device),
+                              mask, logits[None], steps, 1.0, overlap=True)
+            for s in range(steps):
+                sums["agreement"][s] += out.step_accuracy[s] * out.step_counts[s]
+                counts["agreement"][s] += out.step_counts[s]
+                sums["overlap"][s] += out.step_overlap[s] * out.overlap_counts[s]
+                counts["overlap"][s] += out.overlap_counts[s]
+    finally:
+        draft.train(was_training)
+    result = {}
+    for key in ("agreement", "overlap"):
+        result[key] = [a / max(n, 1) for a, n in zip(sums[key], counts[key], strict=True)]
+        result[f"{key}_counts"] = counts[key]
     return result
 
 
@@ -69,19 +101,5 @@ def heldout_agreement(target, draft, sequences: list[tuple[torch.Tensor, int]], 
     ``sequences``: (token ids (T,), start) pairs, the predicted tokens at positions >= start counted
     (token-weighted over every sequence). ``with_counts``: also the number of tokens counted per step,
     so that agreements on several sets pool exactly."""
-    was_training = draft.training
-    draft.eval()
-    agree, count = [0.0] * steps, [0] * steps
-    try:
-        for ids, start in sequences:
-            features, logits = example_targets(target, ids)
-            mask = (torch.arange(ids.shape[0], device=features.device) >= start).float()[None]
-            out = ttt_forward(draft, features[None].to(draft.fc.weight.dtype), ids[None].to(features.device),
-                              mask, logits[None], steps, 1.0)
-            for s in range(steps):
-                agree[s] += out.step_accuracy[s] * out.step_counts[s]
-                count[s] += out.step_counts[s]
-    finally:
-        draft.train(was_training)
-    agreement = [a / max(n, 1) for a, n in zip(agree, count, strict=True)]
-    return (agreement, count) if with_counts else agreement
+    figures = heldout_figures(target, draft, sequences, steps)
+    return (figures["agreement"], figures["agreement_counts"]) if with_counts else figures["agreement"]

@@ -227,6 +227,7 @@ class _Run:
             scalars = {f"eval/acceptance_length_{m}": res[f"acceptance_length_{m}"]
                        for m in ("chain", "tree", "copy_chain") if f"acceptance_length_{m}" in res}
             scalars |= {f"eval/acc_{s}": a for s, a in enumerate(res.get("agreement", []))}
+            scalars |= {f"eval/sampled_acc_{s}": a for s, a in enumerate(res.get("overlap", []))}
             self.logger.log({**scalars, "eval/train_minutes": res["train_minutes"]}, step=self.step)
             for mode in ("chain", "tree", "copy_chain"):
                 if f"survival_{mode}" not in res:

@@ -171,6 +171,8 @@ def _points(summary: dict) -> list[dict]:
         if ev.get("agreement"):
             p["acc_0"] = ev["agreement"][0]
             p["agreement"] = ev["agreement"]
+        if ev.get("overlap"):
+            p["sampled_acceptance"] = ev["overlap"]
         points.append(p)
     return points
 

@@ -17,7 +17,7 @@ draft vocabulary: they are left out of the loss and of the accuracy (the head ca
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,6 +34,8 @@ class TTTOutput:
     step_accuracy: list[float]  # per-step top-1 agreement with the target (draft vocab)
     step_counts: list[int]  # valid positions per step
     logits: list[torch.Tensor]  # per step (B, T, Vd), for tests
+    step_overlap: list[float] = field(default_factory=list)  # per-step mean sum_v min(p, q), with overlap=True
+    overlap_counts: list[int] = field(default_factory=list)  # positions counted per step for the overlap
 
 
 class DiagonalStore:
@@ -74,15 +76,24 @@ def ttt_forward(
     steps: int = 7,
     decay: float = 0.8,
     lengths: torch.Tensor | None = None,
+    overlap: bool = False,
 ) -> TTTOutput:
     """features (B, T, 3H), input_ids (B, T), loss_mask (B, T) 0/1 on the tokens to predict,
-    target_logits (B, T, V); lengths (B,) real lengths of right-padded rows (None: all T)."""
+    target_logits (B, T, V); lengths (B,) real lengths of right-padded rows (None: all T).
+
+    ``overlap``: also the mean of ``sum_v min(p(v), q(v))`` per step (``step_overlap``), with ``p`` the
+    target's distribution over its whole vocabulary and ``q`` the head's at temperature 1 (zero outside
+    the draft vocabulary): the probability that one token sampled from the head is accepted by
+    speculative sampling there. It counts every loss position (``overlap_counts``), those whose target
+    top token lies outside the draft vocabulary included, where agreement leaves them out."""
     b, t = input_ids.shape
     device = input_ids.device
     ar = torch.arange(t, device=device)
     lengths = torch.full((b,), t, device=device) if lengths is None else lengths.to(device)
     valid_keys = ar[None] < lengths[:, None]  # (B, T)
     p_all, in_draft = target_distribution(draft, target_logits)
+    # the target's probabilities on the draft columns, not renormalised (mass outside them is never accepted)
+    p_cols = torch.softmax(target_logits.float(), dim=-1)[..., draft.draft_to_target] if overlap else None
     hidden = draft.fuse(features)
     store = DiagonalStore()
     total = hidden.new_zeros(())
@@ -98,6 +109,11 @@ def ttt_forward(
         tgt = (ar + 2 + s).clamp(max=t - 1)
         ok = (ar + 2 + s < lengths[:, None]) & loss_mask.gather(1, tgt[None].expand(b, t)).bool()
         p = p_all.gather(1, (ar + 1 + s).clamp(max=t - 1)[None, :, None].expand(b, t, p_all.shape[-1]))
+        if p_cols is not None:
+            pc = p_cols.gather(1, (ar + 1 + s).clamp(max=t - 1)[None, :, None].expand(b, t, p_cols.shape[-1]))
+            ov = torch.minimum(pc, torch.softmax(logits.detach().float(), dim=-1)).sum(-1)  # (B, T)
+            out.step_overlap.append(float((ov * ok).sum()) / max(int(ok.sum()), 1))
+            out.overlap_counts.append(int(ok.sum()))
         ok = ok & in_draft.gather(1, (ar + 1 + s).clamp(max=t - 1)[None].expand(b, t))
         n = int(ok.sum())
         logq = F.log_softmax(logits.float(), dim=-1)
