@@ -143,3 +143,26 @@ def test_the_smollm2_study_gives_each_draft_vocabulary_its_own_cache():
         by_cache.setdefault(cfg.features.cache_dir, set()).add(cfg.data.draft_vocab_size)
     assert all(len(sizes) == 1 for sizes in by_cache.values())  # a cache serves one vocabulary
     assert sorted(s for sizes in by_cache.values() for s in sizes) == [8192, 16384, 32768]
+
+
+def test_curves_plot_says_when_a_metric_was_not_measured(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    from eagle_tree.training.study import curves_plot
+
+    seen = {}
+
+    def record(fig, path, **kwargs):
+        seen.update({ax.get_title(): [t.get_text() for t in ax.texts] for ax in fig.axes})
+        seen["lines"] = {ax.get_title(): len(ax.lines) for ax in fig.axes}
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", record)
+    point = {"minutes": 0.0, "acceptance_length_chain": 1.5, "acceptance_length_tree": 2.0, "acc_0": 0.4}
+    results = {"study": {"name": "s", "minutes": 1.0}, "variants": {"a": {"points": [point]}}}
+    curves_plot(results, tmp_path / "c.png")
+    assert seen["copying chain"] == ["not measured in this study"]
+    assert seen["held-out chain"] == [] and seen["lines"]["held-out chain"] == 1
+    # with the metric present the panel draws it and says nothing
+    results["variants"]["a"]["points"][0]["acceptance_length_copy_chain"] = 1.2
+    curves_plot(results, tmp_path / "c.png")
+    assert seen["copying chain"] == [] and seen["lines"]["copying chain"] == 1

@@ -258,10 +258,17 @@ def curves_plot(results: dict, path: Path) -> Path:
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     for ax, (key, title) in zip(axes.flat, METRICS, strict=True):
+        drawn = False
         for name, v in results["variants"].items():
             pts = [p for p in v["points"] if key in p]
             if pts:
                 ax.plot([p["minutes"] for p in pts], [p[key] for p in pts], marker="o", ms=3, label=name)
+                drawn = True
+        if not drawn:  # say so rather than leave an empty frame (e.g. no copying prompts in this study)
+            ax.text(0.5, 0.5, "not measured in this study", ha="center", va="center", transform=ax.transAxes,
+                    color="0.4")
+            ax.set_xticks([])
+            ax.set_yticks([])
         ax.set_title(title)
         ax.set_xlabel("training minutes")
         ax.grid(alpha=0.3)
