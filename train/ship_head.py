@@ -18,9 +18,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle_tree.utils.atomic import atomic_dir
 from eagle_tree.utils.config import parse_cli
 
 LIMIT = 25 * 2**20
+
+
+class _TooBig(Exception):
+    """A shipped file would exceed LIMIT: nothing is written."""
 
 
 @dataclass
@@ -42,28 +47,31 @@ def main(argv: list[str]) -> int:
     src, dst, dtype = Path(cfg.src), Path(cfg.dst), getattr(torch, cfg.dtype)
     state = load_file(src / "model.safetensors")
     rounded = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
-    tmp = dst.with_name(dst.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(rounded, str(tmp / "model.safetensors"), metadata={"format": "pt", "dtype": cfg.dtype})
-    shutil.copy(src / "config.json", tmp / "config.json")
-    if cfg.run_dir:
-        run = Path(cfg.run_dir)
-        for name, out in (("config.yaml", "train-config.yaml"), ("train_summary.json", "train_summary.json")):
-            if (run / name).is_file():
-                shutil.copy(run / name, tmp / out)
-    if (dst / "decoding.json").is_file():  # tuned defaults survive a reship
-        shutil.copy(dst / "decoding.json", tmp / "decoding.json")
-    big = [p.name for p in tmp.iterdir() if p.stat().st_size > LIMIT]
-    if big:
-        shutil.rmtree(tmp)
-        print(f"ship_head: {big} over 25 MB in {cfg.dtype}; use a smaller dtype or draft vocabulary", file=sys.stderr)
+    try:
+        _write(cfg, src, dst, rounded)
+    except _TooBig:
         return 2
-    shutil.rmtree(dst, ignore_errors=True)
-    tmp.rename(dst)
     sizes = {p.name: p.stat().st_size for p in dst.iterdir()}
     print(json.dumps({"dst": str(dst), "dtype": cfg.dtype, "bytes": sizes}, indent=2))
     return 0
+
+
+def _write(cfg: ShipConfig, src: Path, dst: Path, rounded: dict) -> None:
+    with atomic_dir(dst) as tmp:  # the old folder stays whole until the new one is complete
+        save_file(rounded, str(tmp / "model.safetensors"), metadata={"format": "pt", "dtype": cfg.dtype})
+        shutil.copy(src / "config.json", tmp / "config.json")
+        if cfg.run_dir:
+            run = Path(cfg.run_dir)
+            for name, out in (("config.yaml", "train-config.yaml"), ("train_summary.json", "train_summary.json")):
+                if (run / name).is_file():
+                    shutil.copy(run / name, tmp / out)
+        if (dst / "decoding.json").is_file():  # tuned defaults survive a reship
+            shutil.copy(dst / "decoding.json", tmp / "decoding.json")
+        big = [p.name for p in tmp.iterdir() if p.stat().st_size > LIMIT]
+        if big:
+            print(f"ship_head: {big} over 25 MB in {cfg.dtype}; use a smaller dtype or draft vocabulary",
+                  file=sys.stderr)
+            raise _TooBig
 
 
 if __name__ == "__main__":

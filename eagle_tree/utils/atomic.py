@@ -50,6 +50,19 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
     return write_bytes(path, text.encode())
 
 
+def _readable(folder: Path) -> None:
+    """Give files that a writer created owner-only (safetensors writes 0600, as mkstemp does) the
+    mode an ordinary file gets (0644), so a shipped folder is readable by whoever may read its
+    parent; files and folders with other modes are left as written."""
+    for p in folder.rglob("*"):
+        if p.is_symlink():
+            continue
+        if p.is_file() and p.stat().st_mode & 0o777 == 0o600:
+            p.chmod(0o644)
+        elif p.is_dir() and p.stat().st_mode & 0o777 == 0o700:
+            p.chmod(0o755)
+
+
 @contextmanager
 def atomic_dir(path: str | os.PathLike, keep_existing: bool = False) -> Iterator[Path]:
     """Yield an empty temporary folder beside ``path``; on success it replaces ``path`` (or, with
@@ -60,6 +73,7 @@ def atomic_dir(path: str | os.PathLike, keep_existing: bool = False) -> Iterator
     try:
         yield tmp
         tmp.chmod(0o755)  # mkdtemp makes it 0700
+        _readable(tmp)
         if path.exists() and keep_existing:
             return
         if path.exists():
