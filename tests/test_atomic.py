@@ -78,7 +78,7 @@ def test_ship_head_rounds_keeps_decoding_defaults_and_refuses_oversize_without_t
     assert _mode(dst / "model.safetensors") == 0o644
     before = (dst / "model.safetensors").read_bytes()
     big = tmp_path / "big"
-    _head(big, 7 * 2**20)  # 28M floats: 56 MB in bfloat16
+    _head(big, 7 * 2**19)  # 14.7M floats: 29 MB in bfloat16, over the 25 MiB limit
     r = _ship(f"src={big}", f"dst={dst}", "run_dir=null")
     assert r.returncode == 2 and "over 25 MB" in r.stderr
     assert (dst / "model.safetensors").read_bytes() == before  # the shipped head is untouched

@@ -16,16 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from eagle_tree.utils.atomic import atomic_dir
 from eagle_tree.utils.config import parse_cli
 
 LIMIT = 25 * 2**20
-
-
-class _TooBig(Exception):
-    """A shipped file would exceed LIMIT: nothing is written."""
 
 
 @dataclass
@@ -47,31 +43,25 @@ def main(argv: list[str]) -> int:
     src, dst, dtype = Path(cfg.src), Path(cfg.dst), getattr(torch, cfg.dtype)
     state = load_file(src / "model.safetensors")
     rounded = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
-    try:
-        _write(cfg, src, dst, rounded)
-    except _TooBig:
+    weights = save(rounded, metadata={"format": "pt", "dtype": cfg.dtype})
+    run = Path(cfg.run_dir) if cfg.run_dir else None
+    copies = {src / "config.json": "config.json"}
+    if run:
+        copies |= {run / n: out for n, out in (("config.yaml", "train-config.yaml"),
+                                               ("train_summary.json", "train_summary.json")) if (run / n).is_file()}
+    if (dst / "decoding.json").is_file():  # tuned defaults survive a reship
+        copies[dst / "decoding.json"] = "decoding.json"
+    sizes = {"model.safetensors": len(weights)} | {out: p.stat().st_size for p, out in copies.items()}
+    big = [name for name, size in sizes.items() if size > LIMIT]
+    if big:  # refused before anything is written: the shipped head stays as it was
+        print(f"ship_head: {big} over 25 MB in {cfg.dtype}; use a smaller dtype or draft vocabulary", file=sys.stderr)
         return 2
-    sizes = {p.name: p.stat().st_size for p in dst.iterdir()}
+    with atomic_dir(dst) as tmp:  # the old folder stays whole until the new one is complete
+        (tmp / "model.safetensors").write_bytes(weights)
+        for p, out in copies.items():
+            shutil.copy(p, tmp / out)
     print(json.dumps({"dst": str(dst), "dtype": cfg.dtype, "bytes": sizes}, indent=2))
     return 0
-
-
-def _write(cfg: ShipConfig, src: Path, dst: Path, rounded: dict) -> None:
-    with atomic_dir(dst) as tmp:  # the old folder stays whole until the new one is complete
-        save_file(rounded, str(tmp / "model.safetensors"), metadata={"format": "pt", "dtype": cfg.dtype})
-        shutil.copy(src / "config.json", tmp / "config.json")
-        if cfg.run_dir:
-            run = Path(cfg.run_dir)
-            for name, out in (("config.yaml", "train-config.yaml"), ("train_summary.json", "train_summary.json")):
-                if (run / name).is_file():
-                    shutil.copy(run / name, tmp / out)
-        if (dst / "decoding.json").is_file():  # tuned defaults survive a reship
-            shutil.copy(dst / "decoding.json", tmp / "decoding.json")
-        big = [p.name for p in tmp.iterdir() if p.stat().st_size > LIMIT]
-        if big:
-            print(f"ship_head: {big} over 25 MB in {cfg.dtype}; use a smaller dtype or draft vocabulary",
-                  file=sys.stderr)
-            raise _TooBig
 
 
 if __name__ == "__main__":
