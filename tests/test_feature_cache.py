@@ -17,8 +17,8 @@ from eagle_tree.training.feature_cache import (
     expand_logits,
 )
 from eagle_tree.training.loop import TTTLoss
-from eagle_tree.training.stream import batch_targets
-from eagle_tree.training.ttt import ttt_forward
+from eagle_tree.training.stream import batch_targets, pad_targets
+from eagle_tree.training.ttt import DraftTargets, ttt_forward
 from eagle_tree.utils.checks import InputError
 
 VOCAB = 128
@@ -60,7 +60,7 @@ def test_cached_loss_equals_online_loss_exactly(setup, tmp_path):
     module = TTTLoss(draft, steps=4, decay=0.8)
     n_checked = 0
     for batch in batches(examples, batch_size=4, seed=0, epoch=0):
-        f_on, z_on = batch_targets(batch, target=target)
+        f_on, z_on = batch_targets(batch, target=target, draft=draft)
         f_ca, z_ca = batch_targets(batch, cache=cache)
         assert torch.equal(f_on, f_ca)  # features stored in the target dtype, bit for bit
         args = (batch.input_ids, batch.loss_mask)
@@ -278,3 +278,40 @@ def test_train_config_target_prepack_loads_a_packed_target(tmp_path):
         cfg.target.path, cfg.target.prepack = str(tiny.path), prepack
         target, _ = load_target(cfg)
         assert any(isinstance(m, PackedLinear) for m in target.model.modules()) == prepack
+
+
+def test_draft_targets_give_the_full_logits_loss_bit_for_bit(setup):
+    """The loss and its gradients from DraftTargets (the draft columns and the top-token flag, as the
+    trainer passes them) equal those from the full (B, T, V) logits, with padding, a partial mask and top
+    tokens outside the draft vocabulary. Negative control: a flag flipped at one counted position changes
+    the loss. The overlap needs the full logits and says so."""
+    target, draft, examples = setup
+    batch = next(iter(batches(examples, batch_size=4, seed=0, epoch=0)))
+    assert len(set(batch.lengths.tolist())) > 1  # padded rows
+    rows = [example_targets(target, batch.input_ids[r, : int(batch.lengths[r])]) for r in range(4)]
+    features, full = pad_targets(rows, batch.input_ids.shape[1])
+    f2, compact = batch_targets(batch, target=target, draft=draft)
+    assert isinstance(compact, DraftTargets) and torch.equal(features, f2)
+    assert not bool(compact.top_in_draft.all())
+    args = (features, batch.input_ids, batch.loss_mask)
+    kwargs = {"steps": 3, "lengths": batch.lengths}
+
+    def run(targets):
+        draft.zero_grad(set_to_none=True)
+        out = ttt_forward(draft, *args, targets, **kwargs)
+        out.loss.backward()
+        return out, {k: p.grad.clone() for k, p in draft.named_parameters() if p.grad is not None}
+
+    out_full, g_full = run(full)
+    out_compact, g_compact = run(compact)
+    assert out_full.loss.item() == out_compact.loss.item()
+    assert out_full.step_accuracy == out_compact.step_accuracy and out_full.step_counts == out_compact.step_counts
+    assert all(torch.equal(g_full[k], g_compact[k]) for k in g_full)
+    flipped = compact.top_in_draft.clone()
+    r, k = next((r, k) for r in range(4) for k in range(int(batch.lengths[r]) - 1)
+                if flipped[r, k] and batch.loss_mask[r, k + 1])  # step 0 counts position k - 1
+    flipped[r, k] = False
+    other = ttt_forward(draft, *args, DraftTargets(compact.logits, flipped), **kwargs)
+    assert other.loss.item() != out_full.loss.item()
+    with pytest.raises(ValueError, match="full-vocabulary logits"):
+        ttt_forward(draft, *args, compact, overlap=True, **kwargs)

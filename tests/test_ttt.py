@@ -7,7 +7,7 @@ import eagle_tree as et
 from eagle_tree.data.tiny import FAMILIES, tiny_causal_lm
 from eagle_tree.decoding.drafting import Drafter
 from eagle_tree.models.target import TargetModel
-from eagle_tree.training.ttt import simulated_acceptance_length, ttt_forward
+from eagle_tree.training.ttt import kl_rows, simulated_acceptance_length, ttt_forward
 from tests.helpers import follow
 
 
@@ -28,7 +28,7 @@ def setup(request):
 def test_training_step_s_equals_drafting_depth_s(setup, c):
     _, draft, x, feats, logits = setup
     steps = 4
-    res = ttt_forward(draft, feats, x, torch.ones_like(x), logits, steps=steps)
+    res = ttt_forward(draft, feats, x, torch.ones_like(x), logits, steps=steps, keep_logits=True)
     for row in range(2):
         drafter = Drafter(draft, et.TreeConfig.chain(steps))
         drafter.catch_up(feats[row : row + 1, : c + 1], x[row : row + 1, 1 : c + 2])
@@ -40,7 +40,7 @@ def test_training_step_s_equals_drafting_depth_s(setup, c):
 def test_pin_detects_a_position_shift(setup):
     """Negative control: the comparison is sensitive; a wrong token fed at depth 1 breaks it."""
     _, draft, x, feats, logits = setup
-    res = ttt_forward(draft, feats, x, torch.ones_like(x), logits, steps=3)
+    res = ttt_forward(draft, feats, x, torch.ones_like(x), logits, steps=3, keep_logits=True)
     drafter = Drafter(draft, et.TreeConfig.chain(3))
     drafter.catch_up(feats[:1, :5], x[:1, 1:6])
     # the head fed the wrong token at depth 2 must disagree with training's step 1
@@ -50,9 +50,11 @@ def test_pin_detects_a_position_shift(setup):
 
 def test_right_padding_does_not_change_real_rows(setup):
     _, draft, x, feats, logits = setup
-    full = ttt_forward(draft, feats[:1, :12], x[:1, :12], torch.ones_like(x[:1, :12]), logits[:1, :12], steps=3)
+    full = ttt_forward(draft, feats[:1, :12], x[:1, :12], torch.ones_like(x[:1, :12]), logits[:1, :12], steps=3,
+                       keep_logits=True)
     padded = ttt_forward(
-        draft, feats[:1], x[:1], torch.ones_like(x[:1]), logits[:1], steps=3, lengths=torch.tensor([12])
+        draft, feats[:1], x[:1], torch.ones_like(x[:1]), logits[:1], steps=3, lengths=torch.tensor([12]),
+        keep_logits=True,
     )
     for s in range(3):
         n = 12 - 2 - s
@@ -86,7 +88,7 @@ def test_overlap_is_the_sampled_acceptance_of_each_step(setup):
     mask = torch.ones_like(x)
     mask[:, :6] = 0
     plain = ttt_forward(draft, feats, x, mask, logits, steps=3)
-    res = ttt_forward(draft, feats, x, mask, logits, steps=3, overlap=True)
+    res = ttt_forward(draft, feats, x, mask, logits, steps=3, overlap=True, keep_logits=True)
     assert res.step_accuracy == plain.step_accuracy and res.loss.item() == plain.loss.item()
     assert plain.step_overlap == [] and len(res.step_overlap) == 3
     b, t = x.shape
@@ -105,3 +107,75 @@ def test_overlap_is_the_sampled_acceptance_of_each_step(setup):
         assert res.step_overlap[s] == pytest.approx(got / n, rel=1e-5)
         assert 0.0 < res.step_overlap[s] < 1.0
         assert renorm / n > got / n + 1e-3  # the control: renormalising inflates it
+
+
+def written_loss(draft, x, mask, logits, step_logits, lengths, decay, renormalise=True, skip_outside=True):
+    """The loss as the module docstring writes it, position by position: step s at j counts when
+    j + 2 + s < length, the mask is set at j + 2 + s and the target's top token at j + 1 + s lies in the
+    draft vocabulary; KL(p || softmax(head logits)), p the target's distribution at j + 1 + s on the
+    draft columns (renormalised); the mean over counted positions, weighted decay ** s."""
+    total = 0.0
+    for s, lg in enumerate(step_logits):
+        kls = []
+        for row in range(x.shape[0]):
+            for j in range(x.shape[1]):
+                if not (j + 2 + s < int(lengths[row]) and mask[row, j + 2 + s]):
+                    continue
+                z = logits[row, j + 1 + s].float()
+                if skip_outside and int(draft.t2d[z.argmax()]) == 0:
+                    continue
+                p = torch.softmax(z, -1)[draft.draft_to_target]
+                p = p / p.sum() if renormalise else p
+                logq = torch.log_softmax(lg[row, j].float(), -1)
+                kls.append((p * (p.clamp_min(1e-30).log() - logq)).sum())
+        total = total + decay**s * (torch.stack(kls).mean() if kls else torch.zeros(()))
+    return total
+
+
+def test_loss_and_gradients_equal_the_written_kl(setup):
+    """The loss computed at the counted positions only (entropy once, logsumexp form) equals the KL
+    written position by position over the full logits, in value and in every gradient, with padding,
+    a partial mask and target top tokens outside the draft vocabulary. Negative controls: leaving the
+    renormalisation out, or counting positions whose top token is outside, gives another value."""
+    _, draft, x, feats, logits = setup
+    mask = torch.ones_like(x)
+    mask[:, :5] = 0
+    mask[1, 9] = 0
+    lengths = torch.tensor([18, 14])
+    assert not bool(draft.t2d[logits.argmax(-1)].bool().all())  # some top tokens lie outside the vocab
+
+    def grads(loss):
+        draft.zero_grad(set_to_none=True)
+        loss.backward()
+        return {k: p.grad.clone() for k, p in draft.named_parameters() if p.grad is not None}
+
+    fast = ttt_forward(draft, feats, x, mask, logits, steps=3, decay=0.7, lengths=lengths)
+    g_fast = grads(fast.loss)
+    full = ttt_forward(draft, feats, x, mask, logits, steps=3, decay=0.7, lengths=lengths, keep_logits=True)
+    ref = written_loss(draft, x, mask, logits, full.logits, lengths, 0.7)
+    torch.testing.assert_close(fast.loss.detach(), ref.detach(), atol=1e-5, rtol=1e-5)
+    g_ref = grads(ref)
+    assert set(g_fast) == set(g_ref) and "lm_head.weight" in g_fast and "fc.weight" in g_fast
+    for k in g_ref:
+        torch.testing.assert_close(g_fast[k], g_ref[k], atol=1e-6, rtol=1e-4)
+    with torch.no_grad():
+        for kwargs in ({"renormalise": False}, {"skip_outside": False}):
+            other = written_loss(draft, x, mask, logits, full.logits, lengths, 0.7, **kwargs)
+            assert abs(float(other) - float(ref)) > 1e-4  # ten times the tolerance above
+
+
+def test_kl_rows_keeps_float32_precision_at_a_real_draft_vocabulary():
+    """At SmolLM2's draft vocabulary (8,192) and a batch's worth of rows, the KL in float32 stays within
+    1e-5 of the float64 one. Negative control: the same sum as one flat dot over every value (the
+    cheaper form) is off by far more, so this test can tell the two apart."""
+    g = torch.Generator().manual_seed(0)
+    z_target = torch.randn(1500, 8192, generator=g) * 4
+    logits = torch.randn(1500, 8192, generator=g) * 4 + 20  # offset logits, as a trained head's are
+    p = torch.softmax(z_target, -1)
+    neg_entropy = torch.special.xlogy(p, p).sum(-1)
+    got = kl_rows(p, neg_entropy, logits).sum() / 1500
+    p64, z64 = p.double(), logits.double()
+    exact = (torch.special.xlogy(p64, p64).sum(-1) - (p64 * torch.log_softmax(z64, -1)).sum(-1)).mean()
+    assert abs(float(got) - float(exact)) < 1e-5 * float(exact)
+    flat = (neg_entropy.sum() - torch.dot(p.flatten(), logits.flatten()) + torch.logsumexp(logits, -1).sum()) / 1500
+    assert abs(float(flat) - float(exact)) > 10 * abs(float(got) - float(exact))

@@ -99,13 +99,13 @@ class Eagle3Attention(nn.Module):
         def rep(t):
             return t.repeat_interleave(groups, dim=1) if groups > 1 else t
 
-        scale = 1.0 / self.head_dim**0.5
+        q = q * (1.0 / self.head_dim**0.5)  # scaled once here, not the (B, nh, T, T) scores
         t = q.shape[2]
-        scores = torch.matmul(q, rep(k0).transpose(-1, -2)) * scale  # (B, nh, T, T)
+        scores = torch.matmul(q, rep(k0).transpose(-1, -2))  # (B, nh, T, T)
         causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
         visible = causal[None, None] & valid_keys[:, None, None, :]
         scores = scores.masked_fill(~visible, float("-inf"))
-        diag = [(q * rep(k)).sum(-1, keepdim=True) * scale for k in diag_k]  # each (B, nh, T, 1)
+        diag = [(q * rep(k)).sum(-1, keepdim=True) for k in diag_k]  # each (B, nh, T, 1)
         probs = torch.softmax(torch.cat([scores, *diag], dim=-1), dim=-1)
         out = torch.matmul(probs[..., :t], rep(v0))
         for i, v in enumerate(diag_v):
@@ -255,6 +255,7 @@ class Eagle3DraftModel(nn.Module):
         position_ids: torch.Tensor,
         cache: AttentionCache,
         mask: torch.Tensor,
+        rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The head's one forward over T new inputs: embed + norms, attention over ``cache``, MLP, norm,
         logits. Drafting (catch-up, tree levels) and the training-time test both call it.
@@ -264,11 +265,13 @@ class Eagle3DraftModel(nn.Module):
         :class:`~eagle_tree.models.cache.AttentionCache`, which stores the new keys and values and
         returns the attention's output over what ``mask`` (the visibility it expects) shows: the
         ``DraftCache`` of decoding, the diagonal store of training.
-        Returns (out_hidden (B, T, H), logits (B, T, draft_vocab)).
+        rows (B, T) bool, optional: the logits of those positions only, as (n, draft_vocab) in row-major
+        order (the training-time test's loss positions: the ``lm_head`` is most of the head's cost).
+        Returns (out_hidden (B, T, H), logits (B, T, draft_vocab), or (n, draft_vocab) with ``rows``).
         """
         q, k, v = self.project(hidden, input_ids, position_ids)
         out = self.midlayer.finish(hidden, cache.attend(self.midlayer.self_attn, q, k, v, mask))
-        return out, self.logits(out)
+        return out, self.logits(out if rows is None else out[rows])
 
     def logits(self, out_hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(out_hidden))

@@ -149,7 +149,8 @@ class _Run:
         mine = self.stream.take(self.world * o.grad_accum)[self.rank::self.world]
         outs, losses, n_tokens = [], [], 0
         for k, batch in enumerate(mine):
-            features, logits = batch_targets(batch, target=self.target, cache=self.cache, device=acc.device)
+            features, logits = batch_targets(batch, target=self.target, cache=self.cache, device=acc.device,
+                                             draft=self.draft)
             sync = contextlib.nullcontext() if k == len(mine) - 1 else acc.no_sync(self.module)
             with sync:  # gradients are all-reduced on the last micro-batch only
                 loss, out = self.module(features, batch.input_ids.to(acc.device), batch.loss_mask.to(acc.device),

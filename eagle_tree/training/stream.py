@@ -8,7 +8,8 @@ from collections.abc import Iterator
 import torch
 
 from eagle_tree.training.data import batches
-from eagle_tree.training.feature_cache import example_targets
+from eagle_tree.training.feature_cache import compress_logits, example_targets
+from eagle_tree.training.ttt import DraftTargets
 
 __all__ = ["DataStream", "pad_targets", "batch_targets"]
 
@@ -52,15 +53,29 @@ def pad_targets(rows: list[tuple[torch.Tensor, torch.Tensor]], width: int) -> tu
     return features, logits
 
 
-def batch_targets(batch, target=None, cache=None, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(features (B, T, 3H), logits (B, T, V) float32) of a data.Batch, online or from a FeatureCache."""
+def batch_targets(batch, target=None, cache=None, device=None, draft=None) -> tuple[torch.Tensor, DraftTargets]:
+    """(features (B, T, 3H), :class:`~eagle_tree.training.ttt.DraftTargets` (B, T, Vd) / (B, T)) of a
+    data.Batch, read from a FeatureCache or computed online from the target (then compressed to the draft
+    vocabulary's columns with ``draft``'s vocabulary, as the cache stores them). The loss reads nothing
+    else of the logits, and never the (B, T, V) tensor: padding it costs more than the head's attention.
+    Padding is zeros, and ``top_in_draft`` False (padded positions are never counted)."""
     rows = []
     for row, i in enumerate(batch.indices):
         if cache is not None:
-            rows.append(cache.targets(i))
+            rows.append(cache.get(i))
         else:
+            if draft is None:
+                raise ValueError("batch_targets without a cache needs the draft head (its draft vocabulary)")
             ids = batch.input_ids[row, : int(batch.lengths[row])]
-            rows.append(example_targets(target, ids))
-    features, logits = pad_targets(rows, batch.input_ids.shape[1])
-    return (features, logits) if device is None else (features.to(device), logits.to(device))
-
+            features, logits = example_targets(target, ids)
+            rows.append((features, *compress_logits(logits, draft.draft_to_target, draft.t2d)))
+    width = batch.input_ids.shape[1]
+    f0, d0, _ = rows[0]
+    features = f0.new_zeros((len(rows), width, f0.shape[-1]))
+    logits = d0.new_zeros((len(rows), width, d0.shape[-1]))
+    top = torch.zeros((len(rows), width), dtype=torch.bool, device=d0.device)
+    for i, (f, d, t) in enumerate(rows):
+        features[i, : f.shape[0]], logits[i, : d.shape[0]], top[i, : t.shape[0]] = f, d, t
+    if device is not None:
+        features, logits, top = features.to(device), logits.to(device), top.to(device)
+    return features, DraftTargets(logits, top)
