@@ -145,21 +145,21 @@ def test_corrupt_and_missing_files(logged, tmp_path):
     flipped[30] ^= 0xFF  # inside the first record's payload
     path.write_bytes(bytes(flipped))
     with pytest.raises(RecordFileError, match="checksum mismatch in the chunk at offset 7"):
-        read_run(path)
+        read_run(path, wait=False)  # a damaged file never gets its exit record: no 30 s wait
     path.write_bytes(bytes(data[: len(data) - 5]))
     with pytest.raises(RecordFileError, match="truncated"):
-        read_run(path)
+        read_run(path, wait=False)
     path.write_bytes(b"PK\x03\x04" + bytes(data[4:]))
     with pytest.raises(RecordFileError, match="not a W&B record file"):
-        read_run(path)
+        read_run(path, wait=False)
     path.write_bytes(b"")
     with pytest.raises(RecordFileError, match="not a W&B record file"):
-        read_run(path)
+        read_run(path, wait=False)
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no run-\\*.wandb file"):
-        read_run(tmp_path / "empty")
+        read_run(tmp_path / "empty", wait=False)
     with pytest.raises(FileNotFoundError, match="no W&B run folder or file"):
-        read_run(tmp_path / "absent")
+        read_run(tmp_path / "absent", wait=False)
 
 
 def test_disabled_mode_writes_nothing(tmp_path, monkeypatch):
