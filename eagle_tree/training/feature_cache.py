@@ -200,7 +200,8 @@ class FeatureCache:
     """A folder of safetensors shards holding, per example, features and draft-vocabulary logits.
 
     ``FeatureCache.build(...)`` writes (or finishes) it; ``FeatureCache.open(folder, fingerprint)``
-    reads it back, refusing a stale one; ``cache.targets(i)`` gives what :func:`example_targets` gave.
+    reads it back, refusing a stale one; ``cache.get(i)`` gives the stored parts (the trainer pads them into
+    ``DraftTargets``), ``cache.targets(i)`` the full-vocabulary form of what :func:`example_targets` gave.
     """
 
     def __init__(self, directory: str | os.PathLike):

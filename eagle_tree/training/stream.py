@@ -41,16 +41,15 @@ class DataStream:
 
 
 
-def pad_targets(rows: list[tuple[torch.Tensor, torch.Tensor]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-example (features (T_i, 3H), logits (T_i, V)) -> right-padded (B, width, 3H), (B, width, V).
-    Padding is zeros (finite logits, so the masked-out padded positions stay NaN-free)."""
-    f0, z0 = rows[0]
-    features = f0.new_zeros((len(rows), width, f0.shape[-1]))
-    logits = z0.new_zeros((len(rows), width, z0.shape[-1]))
-    for i, (f, z) in enumerate(rows):
-        features[i, : f.shape[0]] = f
-        logits[i, : z.shape[0]] = z
-    return features, logits
+def pad_targets(rows: list[tuple[torch.Tensor, ...]], width: int) -> tuple[torch.Tensor, ...]:
+    """Per-example tensors of equal rank, each (T_i, ...) -> right-padded (B, width, ...), one per part:
+    (features, logits) or (features, draft_logits, top_in_draft). Padding is zeros (finite logits, so
+    the masked-out padded positions stay NaN-free; False for a bool flag)."""
+    out = tuple(part.new_zeros((len(rows), width, *part.shape[1:])) for part in rows[0])
+    for i, row in enumerate(rows):
+        for padded, part in zip(out, row, strict=True):
+            padded[i, : part.shape[0]] = part
+    return out
 
 
 def batch_targets(batch, target=None, cache=None, device=None, draft=None) -> tuple[torch.Tensor, DraftTargets]:
@@ -69,13 +68,7 @@ def batch_targets(batch, target=None, cache=None, device=None, draft=None) -> tu
             ids = batch.input_ids[row, : int(batch.lengths[row])]
             features, logits = example_targets(target, ids)
             rows.append((features, *compress_logits(logits, draft.draft_to_target, draft.t2d)))
-    width = batch.input_ids.shape[1]
-    f0, d0, _ = rows[0]
-    features = f0.new_zeros((len(rows), width, f0.shape[-1]))
-    logits = d0.new_zeros((len(rows), width, d0.shape[-1]))
-    top = torch.zeros((len(rows), width), dtype=torch.bool, device=d0.device)
-    for i, (f, d, t) in enumerate(rows):
-        features[i, : f.shape[0]], logits[i, : d.shape[0]], top[i, : t.shape[0]] = f, d, t
+    features, logits, top = pad_targets(rows, batch.input_ids.shape[1])
     if device is not None:
         features, logits, top = features.to(device), logits.to(device), top.to(device)
     return features, DraftTargets(logits, top)
