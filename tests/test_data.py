@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 
+import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -25,11 +26,17 @@ from eagle_tree.training.data import (
     draft_vocab_from_counts,
     encode_conversation,
     encode_text,
+    epoch_batches,
     epoch_order,
+    example_lengths,
     fit_length,
     load_examples,
+    num_batches,
+    padding_fraction,
     token_frequencies,
 )
+from eagle_tree.training.stream import DataStream
+from eagle_tree.utils.config import ConfigValueError
 
 SPECIALS = ["<pad>", "<|begin_of_text|>", "<|im_start|>", "<|im_end|>",
             "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -352,6 +359,74 @@ def test_batches_skip_to_position(start):
     assert [_as_tuple(b) for b in batches(examples, 3, seed=1, epoch=0, start=start)] == full[start:]
     ds = datasets.Dataset.from_list(examples)  # a Dataset gives the same batches as the list
     assert [_as_tuple(b) for b in batches(ds, 3, seed=1, epoch=0, start=start)] == full[start:]
+
+
+def _varied_examples(n: int = 50) -> list[dict]:
+    rng = np.random.default_rng(3)
+    return [{"input_ids": list(range(int(k))), "loss_mask": [1] * int(k)} for k in rng.integers(1, 60, size=n)]
+
+
+@pytest.mark.parametrize("grouping", [1, 3, 100])
+def test_length_grouped_batches_hold_every_example_once_and_cut_padding(grouping):
+    examples = _varied_examples()
+    lengths = example_lengths(examples)
+    assert lengths.tolist() == [len(e["input_ids"]) for e in examples]
+    plain = epoch_batches(50, 4, seed=2, epoch=1)
+    grouped = epoch_batches(50, 4, seed=2, epoch=1, lengths=lengths, length_grouping=grouping)
+    assert grouped == epoch_batches(50, 4, seed=2, epoch=1, lengths=lengths, length_grouping=grouping)
+    assert sorted(i for b in grouped for i in b) == list(range(50))  # each example once
+    assert len(grouped) == len(plain) == num_batches(50, 4)
+    assert sorted(len(b) for b in grouped) == sorted(len(b) for b in plain)  # one partial batch of 2
+    order = epoch_order(50, 2, 1)
+    pool = grouping * 4
+    for b in grouped:  # each batch lies in one pool, its examples longest first
+        pools = {int(np.flatnonzero(order == i)[0]) // pool for i in b}
+        assert len(pools) == 1
+        assert list(lengths[b]) == sorted(lengths[b], reverse=True)
+    if grouping == 1:  # pools of one batch: the random batches, each sorted, in a shuffled order
+        assert sorted(map(sorted, grouped)) == sorted(map(sorted, plain))
+        assert padding_fraction(grouped, lengths) == pytest.approx(padding_fraction(plain, lengths))
+    else:
+        assert padding_fraction(grouped, lengths) < 0.6 * padding_fraction(plain, lengths)
+    other_epoch = epoch_batches(50, 4, seed=2, epoch=2, lengths=lengths, length_grouping=grouping)
+    assert other_epoch != grouped
+    dropped = epoch_batches(50, 4, seed=2, epoch=1, lengths=lengths, length_grouping=grouping, drop_last=True)
+    assert len(dropped) == 12 and all(len(b) == 4 for b in dropped)
+
+
+def test_length_grouping_zero_is_the_random_order_and_lengths_are_required():
+    assert epoch_batches(11, 3, seed=7, epoch=2) == [b.indices for b in batches(_toy_examples(), 3, seed=7, epoch=2)]
+    with pytest.raises(ValueError, match="needs the 11 examples' lengths"):
+        epoch_batches(11, 3, seed=7, epoch=2, length_grouping=2)
+    with pytest.raises(ValueError, match="length_grouping must be >= 0"):
+        epoch_batches(11, 3, seed=7, epoch=2, length_grouping=-1)
+    with pytest.raises(ConfigValueError, match="length_grouping"):
+        DataConfig(path="x", length_grouping=-1)
+
+
+@pytest.mark.parametrize("start", [0, 2, 12])
+def test_length_grouped_batches_skip_to_position(start):
+    import datasets
+
+    examples = _varied_examples()
+    full = [_as_tuple(b) for b in batches(examples, 4, seed=1, epoch=0, length_grouping=4)]
+    assert [b[3] for b in full] == epoch_batches(50, 4, seed=1, epoch=0, lengths=example_lengths(examples),
+                                                 length_grouping=4)
+    assert [_as_tuple(b) for b in batches(examples, 4, seed=1, epoch=0, start=start, length_grouping=4)] == full[start:]
+    ds = datasets.Dataset.from_list(examples)
+    assert [_as_tuple(b) for b in batches(ds, 4, seed=1, epoch=0, start=start, length_grouping=4)] == full[start:]
+
+
+def test_length_grouped_stream_resumes():
+    examples = _varied_examples(30)
+    lengths = example_lengths(examples)
+    expected = [b for e in range(3) for b in epoch_batches(30, 4, seed=5, epoch=e, lengths=lengths, length_grouping=2)]
+    stream = DataStream(examples, 4, seed=5, pad_id=0, length_grouping=2)
+    assert [b.indices for b in stream.take(10)] == expected[:10]
+    resumed = DataStream(examples, 4, seed=5, pad_id=0, length_grouping=2, **stream.position())
+    assert [b.indices for b in resumed.take(5)] == expected[10:15]
+    # control: a stream without grouping goes elsewhere
+    assert [b.indices for b in DataStream(examples, 4, seed=5, pad_id=0).take(10)] != expected[:10]
 
 
 # ---------------------------------------------------------------------------------------------

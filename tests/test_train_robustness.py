@@ -186,6 +186,49 @@ def test_one_run_per_output_folder(tmp_path, capsys):
         run(out, "resume=latest", "seed=3")
 
 
+def test_length_grouping_reaches_the_loop(tmp_path, monkeypatch):
+    from eagle_tree.training import loop as loop_mod
+    from eagle_tree.training.data import epoch_batches, example_lengths
+
+    streams = []
+
+    class Recording(loop_mod.DataStream):
+        def __init__(self, examples, *args, **kwargs):
+            super().__init__(examples, *args, **kwargs)
+            self.seen = []
+            streams.append(self)
+
+        def next(self):
+            batch = super().next()
+            self.seen.append(batch.indices)
+            return batch
+
+    monkeypatch.setattr(loop_mod, "DataStream", Recording)
+    run(tmp_path / "grouped", "data.length_grouping=2", "schedule.max_steps=2")
+    (stream,) = streams
+    lengths = example_lengths(stream.examples)
+    grouped = epoch_batches(len(lengths), 4, seed=0, epoch=0, lengths=lengths, length_grouping=2)
+    assert stream.seen == grouped[:2]
+    assert stream.seen != epoch_batches(len(lengths), 4, seed=0, epoch=0)[:2]  # control: not the random order
+
+
+def test_a_checkpoint_from_before_length_grouping_resumes(tmp_path, capsys):
+    import yaml
+
+    out = tmp_path / "run"
+    run(out)
+    for config in (out / "checkpoints").glob("step-*/config.yaml"):  # as written before the key existed
+        saved = yaml.safe_load(config.read_text())
+        assert saved["data"].pop("length_grouping") == 0
+        config.write_text(yaml.safe_dump(saved))
+    with pytest.raises(RunFolderError, match=r"data.length_grouping: 0 -> 2 cannot take effect"):
+        run(out, "resume=latest", "schedule.max_steps=6", "data.length_grouping=2")
+    capsys.readouterr()
+    resumed = run(out, "resume=latest", "schedule.max_steps=6")
+    assert resumed.steps == 6
+    assert "length_grouping" not in capsys.readouterr().out  # no change reported
+
+
 def test_pruning_only_considers_this_run(tmp_path):
     root = tmp_path / "checkpoints"
     for step, run_id in [(10, "old"), (20, "old"), (2, "new"), (4, "new"), (6, "new")]:

@@ -66,6 +66,9 @@ __all__ = [
     "batches",
     "num_batches",
     "epoch_order",
+    "epoch_batches",
+    "example_lengths",
+    "padding_fraction",
     "token_frequencies",
     "draft_vocab_from_counts",
     "build_draft_vocab",
@@ -108,13 +111,18 @@ class DataConfig:
     fraction of the rows; above it the data is refused"""
     cache_dir: str | None = None
     """datasets cache directory (None: HF default)"""
+    length_grouping: int = 0
+    """batch order: 0 draws each micro-batch's examples from a random permutation per epoch; N > 0 cuts that
+    permutation into pools of N micro-batches, sorts each pool by length and cuts it into micro-batches, whose order
+    is then shuffled (seeded), so examples of like length share a batch and less of it is padding (each batch
+    then weighs its own tokens' mean, so short examples weigh more than under random batches)"""
 
     def __post_init__(self) -> None:
         paths = [self.path] if isinstance(self.path, str) else list(self.path)
         if not paths or any(not isinstance(p, str) or not p.strip() for p in paths):
             raise ConfigValueError("path", f"must name a dataset (a hub id, a file, a folder or a glob, or a "
                                    f"non-empty list of them), got {self.path!r}")
-        check_ranges(self, max_length=1, limit=1, draft_vocab_size=1, num_proc=1)
+        check_ranges(self, max_length=1, limit=1, draft_vocab_size=1, num_proc=1, length_grouping=0)
         if not 0.0 <= self.max_missing_fraction <= 1.0:
             raise ConfigValueError("max_missing_fraction", f"must lie in [0, 1], got {self.max_missing_fraction!r}")
         if self.too_long not in ("truncate", "drop"):
@@ -375,6 +383,61 @@ def num_batches(n: int, batch_size: int, drop_last: bool = False) -> int:
     return n // batch_size if drop_last else -(-n // batch_size)
 
 
+def example_lengths(examples) -> np.ndarray:
+    """(n,) int64: each example's token count, read once (a datasets.Dataset column by column)."""
+    return np.asarray([len(ids) for ids, _ in iter_token_columns(examples)], dtype=np.int64)
+
+
+def epoch_batches(
+    n: int,
+    batch_size: int,
+    seed: int,
+    epoch: int,
+    *,
+    drop_last: bool = False,
+    lengths: np.ndarray | None = None,
+    length_grouping: int = 0,
+) -> list[list[int]]:
+    """The example indices of every micro-batch of one epoch, in order: a function of the arguments only.
+
+    ``length_grouping=0``: consecutive slices of ``epoch_order(n, seed, epoch)``. ``length_grouping=G > 0``:
+    that permutation is cut into pools of ``G * batch_size`` examples; each pool is sorted by ``lengths``
+    (longest first, ties in permutation order) and cut into micro-batches; the micro-batches of the epoch are
+    then put in an order drawn from (seed, epoch). Every example still appears once an epoch, and there are
+    as many batches as without grouping (only the last pool can end in a partial batch).
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if length_grouping < 0:
+        raise ValueError(f"length_grouping must be >= 0, got {length_grouping}")
+    order = epoch_order(n, seed, epoch)
+    if length_grouping == 0:
+        return [order[b * batch_size : (b + 1) * batch_size].tolist()
+                for b in range(num_batches(n, batch_size, drop_last))]
+    if lengths is None or len(lengths) != n:
+        raise ValueError(f"length_grouping={length_grouping} needs the {n} examples' lengths, got "
+                         f"{None if lengths is None else len(lengths)}")
+    lengths = np.asarray(lengths)
+    pool = length_grouping * batch_size
+    groups: list[list[int]] = []
+    for p in range(0, n, pool):
+        chunk = order[p : p + pool]
+        chunk = chunk[np.argsort(-lengths[chunk], kind="stable")]
+        groups += [chunk[i : i + batch_size].tolist() for i in range(0, len(chunk), batch_size)]
+    if drop_last and groups and len(groups[-1]) < batch_size:
+        groups.pop()
+    shuffle = np.random.default_rng([seed, epoch, 1]).permutation(len(groups))
+    return [groups[i] for i in shuffle]
+
+
+def padding_fraction(batch_indices: Sequence[Sequence[int]], lengths: np.ndarray) -> float:
+    """The share of the padded (B, T) positions of these micro-batches that are padding."""
+    lengths = np.asarray(lengths)
+    real = sum(int(lengths[b].sum()) for b in batch_indices)
+    padded = sum(len(b) * int(lengths[b].max()) for b in batch_indices)
+    return 1.0 - real / padded if padded else 0.0
+
+
 def batches(
     examples: Sequence[Any],
     batch_size: int,
@@ -384,26 +447,31 @@ def batches(
     pad_id: int = 0,
     start: int = 0,
     drop_last: bool = False,
+    lengths: np.ndarray | None = None,
+    length_grouping: int = 0,
 ) -> Iterator[Batch]:
     """The batches of one epoch in the order fixed by (seed, epoch), from batch number ``start``.
 
     ``batches(..., start=k)`` yields exactly ``list(batches(...))[k:]`` without touching the first
-    ``k`` batches' examples: resume with ``start`` = the number of batches consumed this epoch.
+    ``k`` batches' examples: resume with ``start`` = the number of batches consumed this epoch. With
+    ``length_grouping`` > 0 the batches are :func:`epoch_batches`' length-grouped ones (``lengths``:
+    :func:`example_lengths`, computed here when not given).
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    order = epoch_order(len(examples), seed, epoch)
-    for b in range(start, num_batches(len(order), batch_size, drop_last)):
-        indices = order[b * batch_size : (b + 1) * batch_size].tolist()
+    if length_grouping and lengths is None:
+        lengths = example_lengths(examples)
+    plan = epoch_batches(len(examples), batch_size, seed, epoch, drop_last=drop_last, lengths=lengths,
+                         length_grouping=length_grouping)
+    for b in range(start, len(plan)):
+        indices = plan[b]
         ids, masks = _gather(examples, indices)
-        lengths = torch.tensor([len(x) for x in ids], dtype=torch.long)
-        width = int(lengths.max())
+        lengths_b = torch.tensor([len(x) for x in ids], dtype=torch.long)
+        width = int(lengths_b.max())
         input_ids = torch.full((len(ids), width), pad_id, dtype=torch.long)
         loss_mask = torch.zeros((len(ids), width), dtype=torch.long)
         for row, (x, m) in enumerate(zip(ids, masks, strict=True)):
             input_ids[row, : len(x)] = torch.as_tensor(x, dtype=torch.long)
             loss_mask[row, : len(m)] = torch.as_tensor(m, dtype=torch.long)
-        yield Batch(input_ids, loss_mask, lengths, indices, b)
+        yield Batch(input_ids, loss_mask, lengths_b, indices, b)
 
 
 def _gather(examples, indices: list[int]) -> tuple[list, list]:

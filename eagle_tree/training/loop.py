@@ -14,8 +14,9 @@ Flow (docs/ARCHITECTURE.md, "Training flow")::
     acceptance length measured by SpeculativeDecoder every ``eval.every`` steps.
 
 Data order. Micro-batches come from ``data.batches(examples, optim.batch_size, seed, epoch)`` epoch after
-epoch; optimiser step ``n`` consumes the next ``world * grad_accum`` of them, micro-batch ``k`` of the
-step going to rank ``k % world`` (accumulation slot ``k // world``). The position (epoch, batch) is
+epoch (length-grouped with ``data.length_grouping``); optimiser step ``n`` consumes the next
+``world * grad_accum`` of them, micro-batch ``k`` of the step going to rank ``k % world`` (accumulation
+slot ``k // world``). The position (epoch, batch) is
 saved in every checkpoint, so a resumed run sees exactly the batches the uninterrupted run would have.
 With this order, two DDP processes give the same update as one process with twice the accumulation.
 
@@ -344,7 +345,8 @@ class _Run:
             self.module, self.optimizer = acc.prepare(module, self.optimizer)
         self.draft = acc.unwrap_model(self.module).draft
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.stream = DataStream(self.examples, o.batch_size, cfg.seed, pad_id)
+        self.stream = DataStream(self.examples, o.batch_size, cfg.seed, pad_id,
+                                 length_grouping=cfg.data.length_grouping)
         self.step, self.tokens, self.tokens_rank = 0, 0, 0
         self._restore()
 

@@ -47,6 +47,10 @@ FROZEN = {
     "features.": "the feature cache is fingerprinted with the old settings",
 }
 
+# keys added after runs were checkpointed, with the value that reproduces what those runs did: a saved config
+# without the key reads as holding it, so such runs resume
+ADDED = {"data.length_grouping": 0}
+
 __all__ = ["RunIdentity", "RunFolderError", "claim_output_dir", "resume_changes", "RunLock", "config_hash"]
 
 
@@ -219,6 +223,8 @@ def resume_changes(cfg, ckpt: Path, ckpt_step: int) -> list[str]:
     if not isinstance(saved, dict | None):
         raise RunFolderError(f"{path} holds a {type(saved).__name__}, not a config: resume from another checkpoint")
     before = _flat(saved or {})
+    for key, value in ADDED.items():
+        before.setdefault(key, value)
     after = _flat(json.loads(json.dumps(config_to_dict(cfg), default=str)))
     lines, refused = [], []
     for key in sorted(set(before) | set(after)):

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import torch
 
-from eagle_tree.training.data import batches
+from eagle_tree.training.data import batches, example_lengths
 from eagle_tree.training.feature_cache import compress_logits, example_targets
 from eagle_tree.training.ttt import DraftTargets
 
@@ -15,11 +15,15 @@ __all__ = ["DataStream", "pad_targets", "batch_targets"]
 
 
 class DataStream:
-    """Micro-batches epoch after epoch in the order fixed by (seed, epoch); the position is resumable."""
+    """Micro-batches epoch after epoch in the order fixed by (seed, epoch) (and, with ``length_grouping``,
+    the examples' lengths: data.epoch_batches); the position is resumable."""
 
-    def __init__(self, examples, batch_size: int, seed: int, pad_id: int, epoch: int = 0, index: int = 0):
+    def __init__(self, examples, batch_size: int, seed: int, pad_id: int, epoch: int = 0, index: int = 0,
+                 length_grouping: int = 0):
         self.examples, self.batch_size, self.seed, self.pad_id = examples, batch_size, seed, pad_id
         self.epoch, self.index = epoch, index
+        self.length_grouping = length_grouping
+        self.lengths = example_lengths(examples) if length_grouping else None
         self._it: Iterator | None = None
 
     def position(self) -> dict:
@@ -29,7 +33,7 @@ class DataStream:
         while True:
             if self._it is None:
                 self._it = batches(self.examples, self.batch_size, self.seed, self.epoch, pad_id=self.pad_id,
-                                   start=self.index)
+                                   start=self.index, lengths=self.lengths, length_grouping=self.length_grouping)
             batch = next(self._it, None)
             if batch is not None:
                 self.index = batch.index + 1
