@@ -36,7 +36,6 @@ def budget_run(tmp_path_factory):
         mp.setenv("HOME", str(home))
         mp.setenv("WANDB_DIR", str(home))
         args = ["--config", str(SMOKE), f"output_dir={out}", f"target.toy_cache_dir={TOY_CACHE}", "progress=false",
-                "schedule.max_steps=3",  # ignored: the budget sets the step count
                 "schedule.max_minutes=0.05", "eval.every=0", "eval.at_start=true", "eval.num_prompts=2",
                 "eval.max_new_tokens=12", "eval.copy_prompts=toy", "eval.copy_num_prompts=2",
                 "eval.copy_max_new_tokens=12", "checkpoint.every=0", "model.init=target",

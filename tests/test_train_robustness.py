@@ -229,6 +229,24 @@ def test_a_checkpoint_from_before_length_grouping_resumes(tmp_path, capsys):
     assert "length_grouping" not in capsys.readouterr().out  # no change reported
 
 
+def test_a_max_steps_override_that_would_be_ignored_is_refused(capsys):
+    from eagle_tree.commands.train import ignored_step_override, main
+
+    argv = ["--config", str(SMOKE), "schedule.max_minutes=45", "schedule.max_steps=1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "schedule.max_steps=1 would have no effect: schedule.max_minutes=45.0 sets the step count" in err
+    assert "add schedule.max_minutes=null" in err
+    epochs = ["schedule.epochs=2", "schedule.max_steps=3"]
+    assert "schedule.epochs=2.0 sets the step count" in ignored_step_override(
+        load_config(TrainConfig, SMOKE, epochs), epochs)
+    # controls: the step count is max_steps's, or max_steps is not on the command line
+    fixed = ["schedule.max_minutes=null", "schedule.max_steps=1"]
+    assert ignored_step_override(load_config(TrainConfig, SMOKE, fixed), fixed) is None
+    budget = ["schedule.max_minutes=45"]
+    assert ignored_step_override(load_config(TrainConfig, SMOKE, budget), budget) is None
+
+
 def test_pruning_only_considers_this_run(tmp_path):
     root = tmp_path / "checkpoints"
     for step, run_id in [(10, "old"), (20, "old"), (2, "new"), (4, "new"), (6, "new")]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 
 from eagle_tree.utils.config import parse_cli
 
@@ -24,9 +25,26 @@ def main(argv: list[str]) -> int:
     from eagle_tree.utils.checks import exit_on_input_error
 
     cfg = parse_cli(TrainConfig, argv, prog=PROG)
+    ignored = ignored_step_override(cfg, argv)
+    if ignored:
+        print(f"usage: {PROG} [--config FILE] [key=value ...]\n{PROG}: error: {ignored}", file=sys.stderr)
+        return 2
     anticipated = (RunFolderError, TrainingDiverged, CheckpointWriteError, DataError, FileNotFoundError)
     with _sigterm_as_interrupt():
         return exit_on_input_error(PROG, run, cfg, anticipated, interrupted=lambda: _what_was_saved(cfg, argv))
+
+
+def ignored_step_override(cfg, argv: list[str]) -> str | None:
+    """The problem when the command line sets ``schedule.max_steps`` but ``schedule.epochs`` or
+    ``schedule.max_minutes`` (from the config file, say) sets the step count instead; None otherwise."""
+    given = [a for a in argv if a.partition("=")[0] == "schedule.max_steps"]
+    s = cfg.schedule
+    setter = next(((k, v) for k, v in (("max_minutes", s.max_minutes), ("epochs", s.epochs)) if v is not None), None)
+    if not given or setter is None:
+        return None
+    key, value = setter
+    return (f"{given[-1]} would have no effect: schedule.{key}={value} sets the step count; add "
+            f"schedule.{key}=null to train for schedule.max_steps steps")
 
 
 def run(cfg) -> int:
