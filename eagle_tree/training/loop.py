@@ -16,8 +16,8 @@ Flow (docs/ARCHITECTURE.md, "Training flow")::
 Data order. Micro-batches come from ``data.batches(examples, optim.batch_size, seed, epoch)`` epoch after
 epoch (length-grouped with ``data.length_grouping``); optimiser step ``n`` consumes the next
 ``world * grad_accum`` of them, micro-batch ``k`` of the step going to rank ``k % world`` (accumulation
-slot ``k // world``). The position (epoch, batch) is
-saved in every checkpoint, so a resumed run sees exactly the batches the uninterrupted run would have.
+slot ``k // world``). The position (epoch, batch) is saved in every checkpoint, so a resumed run sees
+exactly the batches the uninterrupted run would have.
 With this order, two DDP processes give the same update as one process with twice the accumulation.
 
 Loss normalisation: each micro-batch's loss is ttt_forward's (per-step mean over its valid positions,
