@@ -151,6 +151,74 @@ def test_turn1_answers_are_kept_one_by_one_and_a_stopped_run_continues(chat_mode
     assert json.loads(path.read_text().splitlines()[0])["answer"] == "kept"  # another key's row survives
 
 
+def test_turn1_from_copies_answers_of_the_same_key_and_decodes_the_rest(chat_models, tmp_path, monkeypatch):
+    from eagle_tree.decoding.decoder import SpeculativeDecoder
+
+    target, tok = chat_models["target"], chat_models["tokenizer"]
+    questions = load_questions(str(write_questions(tmp_path / "q.jsonl")))
+    (tmp_path / "earlier").mkdir()
+    earlier = mtbench.turn1_answers(target, tok, questions, tmp_path / "earlier", 6, tok.eos_token_id,
+                                    log=lambda s: None, progress=False)
+    source = tmp_path / "earlier" / mtbench.TURN1_FILE
+    rows = [json.loads(line) for line in source.read_text().splitlines()]
+    # question 104's row under another key (another target or budget): it must not be taken
+    rows = [dict(r, key="another budget", answer="not this") if r["question_id"] == 104 else r for r in rows]
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    calls = []
+    generate = SpeculativeDecoder.generate
+    monkeypatch.setattr(SpeculativeDecoder, "generate",
+                        lambda self, *a, **k: calls.append(1) or generate(self, *a, **k))
+    (tmp_path / "new").mkdir()
+    said = []
+    got = mtbench.turn1_answers(target, tok, questions, tmp_path / "new", 6, tok.eos_token_id, log=said.append,
+                                progress=False, turn1_from=tmp_path / "earlier")
+    assert len(calls) == 1  # only question 104 was decoded
+    assert got == earlier and got[104] != "not this"
+    assert any("3 of 4 turn-1 answers read from" in line for line in said)
+    written = (tmp_path / "new" / mtbench.TURN1_FILE).read_text().splitlines()
+    kept = {json.loads(line)["question_id"] for line in written}
+    assert kept == {q.question_id for q in questions}  # the new folder holds its own copy
+    # the file itself is accepted too, and a budget that differs takes nothing
+    calls.clear()
+    (tmp_path / "other-budget").mkdir()
+    mtbench.turn1_answers(target, tok, questions[:1], tmp_path / "other-budget", 5, tok.eos_token_id,
+                          log=lambda s: None, progress=False, turn1_from=source)
+    assert len(calls) == 1
+
+
+def test_the_bench_section_passes_turn1_from(chat_models, tmp_path, monkeypatch):
+    from eagle_tree.decoding.decoder import SpeculativeDecoder
+    from eagle_tree.utils.config import load_config
+
+    target, tok = chat_models["target"], chat_models["tokenizer"]
+    questions = write_questions(tmp_path / "q.jsonl")
+    (tmp_path / "earlier").mkdir()
+    first = build_prompts(MTBenchSection(enabled=True, questions=str(questions)), target, tok, tmp_path / "earlier",
+                          max_new_tokens=6, eos_token_id=tok.eos_token_id, log=lambda s: None)
+    from eagle_tree.commands.bench import BenchConfig
+
+    cfg = load_config(BenchConfig, "configs/bench-mtbench.yaml",
+                      [f"mtbench.questions={questions}", f"mtbench.turn1_from={tmp_path / 'earlier'}"])
+    monkeypatch.setattr(SpeculativeDecoder, "generate", lambda *a, **k: pytest.fail("decoded again"))
+    (tmp_path / "new").mkdir()
+    again = build_prompts(cfg.mtbench, target, tok, tmp_path / "new", max_new_tokens=6,
+                          eos_token_id=tok.eos_token_id, log=lambda s: None)
+    assert [p.text for p in again] == [p.text for p in first]
+
+
+def test_turn1_from_refuses_a_missing_or_foreign_file(chat_models, tmp_path):
+    target, tok = chat_models["target"], chat_models["tokenizer"]
+    questions = load_questions(str(write_questions(tmp_path / "q.jsonl")))[:1]
+    with pytest.raises(InputError, match=r"mtbench.turn1_from: .*missing.*is not a file"):
+        mtbench.turn1_answers(target, tok, questions, tmp_path, 6, tok.eos_token_id, log=lambda s: None,
+                              progress=False, turn1_from=tmp_path / "missing")
+    foreign = tmp_path / "foreign.jsonl"
+    foreign.write_text(json.dumps({"id": 1, "text": "x"}) + "\n")
+    with pytest.raises(InputError, match=r"foreign.jsonl:1 is not a turn-1 row"):
+        mtbench.turn1_answers(target, tok, questions, tmp_path, 6, tok.eos_token_id, log=lambda s: None,
+                              progress=False, turn1_from=foreign)
+
+
 def test_bench_max_minutes_stops_during_the_turn1_answers(chat_models, tmp_path, capsys):
     from eagle_tree.commands.bench import STOPPED, main
 

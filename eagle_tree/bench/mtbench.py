@@ -7,7 +7,7 @@ never used to train a head or tune a draft shape (tuning reads the chat data's o
 Turn 2 is asked after the model's own turn-1 answer: that answer is decoded once per question with
 plain greedy decoding in eagle-tree's loop (stopping at EOS or the output budget) and stored in the
 bench folder (``mtbench_turn1.jsonl``, written after each answer, reused by a rerun with the same target
-and budget),
+and budget, or taken from another bench folder with ``mtbench.turn1_from``),
 so every method and temperature sees the same turn-2 context. Each turn is then one prompt of the
 bench, labelled with its category and turn, and the bench reports every method overall, per category
 and per turn (eagle_tree.commands.bench).
@@ -48,6 +48,10 @@ class MTBenchSection:
     """Use the first N questions of each category (null: all 10), for quick runs."""
     turns: list[int] = field(default_factory=lambda: [1, 2])
     """Turns to report (1, 2 or both)."""
+    turn1_from: str | None = None
+    """An earlier bench folder (or its ``mtbench_turn1.jsonl``) to take turn-1 answers from: rows of the
+    same target, budget and stop token are copied into this run's folder instead of being decoded again;
+    other rows are ignored (null: decode what this folder lacks)."""
 
     def __post_init__(self) -> None:
         check_range("questions_per_category", self.questions_per_category, 1, allow_none=True, meaning="all")
@@ -139,10 +143,36 @@ def _turn1_key(target, max_new_tokens: int, eos_token_id: int | None) -> str:
                      max_new_tokens=max_new_tokens, eos=eos_token_id, dtype=str(target.dtype))[:16]
 
 
+def _read_turn1_from(source: str | Path, key: str, wanted: set[int]) -> tuple[Path, dict[int, str]]:
+    """The answers of ``source`` (a bench folder or its turn-1 file) whose key is ``key``, for ``wanted``."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        path = path / TURN1_FILE
+    if not path.is_file():
+        raise InputError(f"mtbench.turn1_from: {path} is not a file: give an earlier bench folder that holds "
+                         f"{TURN1_FILE}, or that file itself (null: decode the answers)")
+    found: dict[int, str] = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            question, answer = int(row["question_id"]), row["answer"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise InputError(f"mtbench.turn1_from: {path}:{number} is not a turn-1 row of eagle-tree bench "
+                             f"({e!r}): give a {TURN1_FILE} that a bench wrote") from None
+        if row.get("key") == key and question in wanted and isinstance(answer, str):
+            found[question] = answer
+    return path, found
+
+
 def turn1_answers(target, tokenizer, questions: list[Question], out_dir: Path, max_new_tokens: int,
-                  eos_token_id: int | None, log=print, stop=None, progress: bool = True) -> dict[int, str]:
+                  eos_token_id: int | None, log=print, stop=None, progress: bool = True,
+                  turn1_from: str | Path | None = None) -> dict[int, str]:
     """The model's own greedy turn-1 answer to each question (plain decoding), read from
-    ``out_dir/mtbench_turn1.jsonl`` when an earlier run of the same target and budget wrote it.
+    ``out_dir/mtbench_turn1.jsonl`` when an earlier run of the same target and budget wrote it, or else
+    from ``turn1_from`` (another bench folder or its file: rows of the same key only, copied into
+    ``out_dir``'s file).
 
     The file is rewritten (atomically) after every new answer, so a stopped or killed run keeps what it
     decoded; rows of other questions, targets or budgets are kept as they are. ``stop()``, asked before
@@ -166,6 +196,15 @@ def turn1_answers(target, tokenizer, questions: list[Question], out_dir: Path, m
             else:
                 others.append(line)
     todo = [q for q in questions if q.question_id not in answers]
+    if todo and turn1_from is not None:
+        source, taken = _read_turn1_from(turn1_from, key, {q.question_id for q in todo})
+        log(f"MT-bench: {len(taken)} of {len(todo)} turn-1 answers read from {source} (rows of this target, "
+            "budget and stop token; the rest are decoded)")
+        if taken:
+            answers.update(taken)
+            rows = others + [json.dumps({"question_id": i, "key": key, "answer": a}) for i, a in answers.items()]
+            write_text(path, "".join(r + "\n" for r in rows))
+            todo = [q for q in todo if q.question_id not in taken]
     if not todo:
         return answers
     log(f"MT-bench: decoding {len(todo)} turn-1 answers with plain greedy decoding (turn 2's context)")
@@ -202,7 +241,7 @@ def build_prompts(section: MTBenchSection, target, tokenizer, out_dir: Path, max
     ``stop`` and ``progress``: as in :func:`turn1_answers`."""
     questions = load_questions(section.questions, section.questions_per_category)
     answers = turn1_answers(target, tokenizer, questions, out_dir, max_new_tokens, eos_token_id, log, stop=stop,
-                            progress=progress) if 2 in section.turns else {}
+                            progress=progress, turn1_from=section.turn1_from) if 2 in section.turns else {}
     prompts = []
     for q in questions:
         first = [{"role": "user", "content": q.turns[0]}]
