@@ -196,14 +196,18 @@ def turn1_answers(target, tokenizer, questions: list[Question], out_dir: Path, m
             else:
                 others.append(line)
     todo = [q for q in questions if q.question_id not in answers]
+
+    def save() -> None:  # this key's answers after the other rows, atomically
+        rows = others + [json.dumps({"question_id": i, "key": key, "answer": a}) for i, a in answers.items()]
+        write_text(path, "".join(r + "\n" for r in rows))
+
     if todo and turn1_from is not None:
         source, taken = _read_turn1_from(turn1_from, key, {q.question_id for q in todo})
         log(f"MT-bench: {len(taken)} of {len(todo)} turn-1 answers read from {source} (rows of this target, "
             "budget and stop token; the rest are decoded)")
         if taken:
             answers.update(taken)
-            rows = others + [json.dumps({"question_id": i, "key": key, "answer": a}) for i, a in answers.items()]
-            write_text(path, "".join(r + "\n" for r in rows))
+            save()
             todo = [q for q in todo if q.question_id not in taken]
     if not todo:
         return answers
@@ -225,8 +229,7 @@ def turn1_answers(target, tokenizer, questions: list[Question], out_dir: Path, m
             if eos_token_id is not None and eos_token_id in new:
                 new = new[: new.index(eos_token_id)]
             answers[q.question_id] = tokenizer.decode(new, skip_special_tokens=True)
-            rows = others + [json.dumps({"question_id": i, "key": key, "answer": a}) for i, a in answers.items()]
-            write_text(path, "".join(r + "\n" for r in rows))
+            save()
             if bar is not None:
                 bar.update(1)
     finally:
